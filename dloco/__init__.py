@@ -1,0 +1,1 @@
+"""dloco: Decoupled DiLoCo (placeholder; public surface defined below)."""

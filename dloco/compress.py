@@ -1,0 +1,312 @@
+"""Wire compression of float32 pseudo-gradient deltas (ALGORITHM.md §7).
+
+A delta ``x`` travels as a :class:`Payload` that holds only plain numpy arrays, so Ray's object store
+can carry it zero-copy. Four wire dtypes:
+
+* ``fp32``: identity, 4 bytes per value.
+* ``bf16``: round-to-nearest-even cast to bfloat16, stored as its ``uint16`` bit pattern, 2 bytes.
+* ``int8``: blockwise absmax quantization with ``L = 127`` levels per sign, 1 byte per value.
+* ``int4``: the same with ``L = 7``, two values per byte (``q + 8`` in a nibble, even index low).
+
+For the integer dtypes the flattened ``x`` is zero-padded to a multiple of ``block`` and cut into
+blocks ``b``. Each block gets one float16 scale and integer codes::
+
+  s_b = ↑fp16(max_i |x_i| / L)          (fp16 rounding *up*, so s_b · L ≥ max_i |x_i|)
+  q_i = clip(rint(x_i / s_b), −L, L)
+  x̂_i = q_i · s_b
+
+The scale that is stored is the scale that quantizes, hence no value is clipped and
+``|x_i − x̂_i| ≤ s_b / 2`` up to the float32 rounding of ``x_i / s_b`` (relative excess < 2⁻¹⁶;
+``q_i · s_b`` itself is exact in float32). A block of zeros has ``s_b = 0`` and decodes to exact
+zeros; a tiny nonzero block rounds up to the smallest positive float16 (a subnormal), never to 0.
+
+Error feedback (ALGORITHM.md §4) carries what the wire lost into the next push::
+
+  e ← (δ + e) − Q⁻¹(Q(δ + e))
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = ("fp32", "bf16", "int8", "int4")
+
+_LEVELS = {"int8": 127, "int4": 7}
+_FP16_MAX = float(np.finfo(np.float16).max)  # 65504
+# Rows per chunk when (de)quantizing: 2**17 values (512 KiB of float32) keep the temporaries in
+# cache, so each value crosses main memory once; the Python loop runs over chunks, never blocks.
+_CHUNK_VALUES = 1 << 17
+
+
+@dataclass(frozen=True, eq=False)
+class Payload:
+    """A compressed array as it travels on the wire.
+
+    Attributes:
+      dtype: one of :data:`DTYPES`.
+      shape: shape of the original array; :func:`decode` restores it.
+      data: ``float32`` of ``shape`` (fp32); ``uint16`` bf16 bit patterns of ``shape`` (bf16);
+        ``int8`` codes of length ``n_pad`` (int8); ``uint8`` packed nibbles of length ``n_pad / 2``
+        (int4). ``n_pad`` is the value count rounded up to a multiple of ``block``; the padding
+        codes are zeros and travel, so they are counted.
+      scales: ``float16`` per-block scales ``s_b`` of length ``n_pad / block`` (int8, int4), else
+        ``None``.
+      block: values per scale block (carried for every dtype, used by int8 and int4).
+
+    Raises:
+      ValueError: when the arrays do not match ``dtype``, ``shape`` and ``block`` (a malformed
+        payload is rejected here, before anything decodes it).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+    scales: np.ndarray | None
+    block: int
+
+    def __post_init__(self):
+        _check_dtype_block(self.dtype, self.block)
+        n = _size(self.shape)
+        if self.dtype in _LEVELS:
+            n_blocks = -(-n // self.block)
+            n_data = n_blocks * self.block // (2 if self.dtype == "int4" else 1)
+            expected = {"int8": np.int8, "int4": np.uint8}[self.dtype]
+            if self.scales is None or self.scales.dtype != np.float16 or self.scales.shape != (n_blocks,):
+                raise ValueError(
+                    f"Payload {self.dtype}: scales must be float16 of shape ({n_blocks},), got "
+                    f"{None if self.scales is None else (self.scales.dtype, self.scales.shape)}"
+                )
+        else:
+            n_data = n
+            expected = {"fp32": np.float32, "bf16": np.uint16}[self.dtype]
+            if self.scales is not None:
+                raise ValueError(f"Payload {self.dtype}: scales must be None")
+        if self.data.dtype != expected or self.data.size != n_data:
+            raise ValueError(
+                f"Payload {self.dtype}: data must be {np.dtype(expected)} with {n_data} values, "
+                f"got {self.data.dtype} with {self.data.size}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes of the arrays that travel: ``data.nbytes + scales.nbytes``.
+
+        The few bytes of pickled metadata (``dtype``, ``shape``, ``block``) are not counted.
+        """
+        return int(self.data.nbytes + (self.scales.nbytes if self.scales is not None else 0))
+
+
+def encode(x: np.ndarray, dtype: str, block: int = 128) -> Payload:
+    """Compresses ``x`` for the wire.
+
+    For int8/int4, per block ``b`` of the flattened, zero-padded ``x``::
+
+      s_b = ↑fp16(max_i |x_i| / L),   q_i = clip(rint(x_i / s_b), −L, L),   L ∈ {127, 7}
+
+    Args:
+      x: array of any shape (0-d and empty included), cast to float32.
+      dtype: wire dtype, one of :data:`DTYPES`.
+      block: values per scale block; at least 2, even for int4.
+
+    Returns:
+      A :class:`Payload`. For ``fp32`` its ``data`` is ``x`` itself when ``x`` is already a
+      C-contiguous float32 array (no copy).
+
+    Raises:
+      ValueError: unknown ``dtype``, bad ``block``, non-finite values in ``x``, or (int8/int4) a
+        block whose scale ``max|x| / L`` exceeds the float16 maximum 65504.
+    """
+    _check_dtype_block(dtype, block)
+    x = np.asarray(x, dtype=np.float32, order="C")  # ascontiguousarray would make 0-d arrays 1-d
+    shape = tuple(x.shape)
+    if dtype in ("fp32", "bf16"):
+        # min/max propagate NaN and expose ±inf without a boolean temporary the size of x.
+        if x.size and not (np.isfinite(x.min()) and np.isfinite(x.max())):
+            raise ValueError(f"non-finite values in the array passed to encode(dtype={dtype!r})")
+        if dtype == "fp32":
+            return Payload(dtype, shape, x, None, block)
+        data = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+        return Payload(dtype, shape, data, None, block)
+
+    levels = _LEVELS[dtype]
+    flat = x.reshape(-1)
+    n = flat.size
+    n_full = n // block
+    n_blocks = -(-n // block)
+    scales = np.empty(n_blocks, np.float16)
+    # Codes are written block row by block row; int4 rows are half as wide (two codes per byte).
+    row_bytes = block // 2 if dtype == "int4" else block
+    data = np.empty((n_blocks, row_bytes), np.uint8 if dtype == "int4" else np.int8)
+    _quantize_rows(flat[: n_full * block].reshape(n_full, block), levels, scales[:n_full], data[:n_full], dtype)
+    if n_blocks > n_full:  # the last, partial block: pad a copy of at most block − 1 values
+        tail = np.zeros((1, block), np.float32)
+        tail[0, : n - n_full * block] = flat[n_full * block :]
+        _quantize_rows(tail, levels, scales[n_full:], data[n_full:], dtype)
+    return Payload(dtype, shape, data.reshape(-1), scales, block)
+
+
+def decode(p: Payload) -> np.ndarray:
+    """Restores a float32 array of ``p.shape``: ``x̂_i = q_i · s_b`` for int8/int4.
+
+    Args:
+      p: a payload from :func:`encode`.
+
+    Returns:
+      A fresh, writable float32 array of shape ``p.shape``; it never aliases ``p.data``.
+    """
+    if p.dtype == "fp32":
+        return np.array(p.data, dtype=np.float32, copy=True).reshape(p.shape)
+    if p.dtype == "bf16":
+        return p.data.view(ml_dtypes.bfloat16).astype(np.float32).reshape(p.shape)
+    n = _size(p.shape)
+    n_blocks = p.scales.shape[0]
+    out = np.empty((n_blocks, p.block), np.float32)
+    scales = p.scales.astype(np.float32)
+    codes = p.data.reshape(n_blocks, p.block // 2 if p.dtype == "int4" else p.block)
+    rows = max(1, _CHUNK_VALUES // p.block)
+    if p.dtype == "int4":
+        half = np.empty((rows, p.block // 2), np.int8)
+    for i in range(0, n_blocks, rows):
+        s = scales[i : i + rows, None]
+        o = out[i : i + rows]
+        c = codes[i : i + rows]
+        if p.dtype == "int8":
+            np.multiply(c, s, out=o)
+            continue
+        h = half[: c.shape[0]]
+        # q = nibble − 8; the low nibble holds the even index, the high nibble the odd one.
+        np.bitwise_and(c, 0x0F, out=h, casting="unsafe")
+        np.subtract(h, 8, out=h)
+        np.multiply(h, s, out=o[:, 0::2])
+        np.right_shift(c, 4, out=h, casting="unsafe")
+        np.subtract(h, 8, out=h)
+        np.multiply(h, s, out=o[:, 1::2])
+    return out.reshape(-1)[:n].reshape(p.shape)
+
+
+def encode_with_feedback(
+    x: np.ndarray, residual: np.ndarray | None, dtype: str, block: int = 128
+) -> tuple[Payload, np.ndarray]:
+    """Compresses ``x`` with error feedback (ALGORITHM.md §4).
+
+    ::
+
+      y = δ + e,   payload = Q(y),   e ← y − Q⁻¹(Q(y))
+
+    The residual ``e`` carries what the wire lost into the next call, so the running sum of decoded
+    payloads tracks the running sum of inputs within one quantization step.
+
+    Args:
+      x: the delta ``δ``.
+      residual: the residual ``e`` from the previous call, or ``None`` for zeros.
+      dtype: wire dtype, one of :data:`DTYPES`.
+      block: values per scale block.
+
+    Returns:
+      ``(payload, new_residual)``; ``new_residual`` is a fresh float32 array of ``x``'s shape.
+
+    Raises:
+      ValueError: as :func:`encode`, or when ``residual``'s shape differs from ``x``'s.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if residual is None:
+        y = x
+    else:
+        residual = np.asarray(residual, dtype=np.float32)
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual shape {residual.shape} differs from delta shape {x.shape}; pass the "
+                "residual returned for this same tensor, or None"
+            )
+        y = x + residual
+    payload = encode(y, dtype, block)
+    # Write into the decoded copy: for fp32 the payload's data may be y itself.
+    decoded = decode(payload)
+    return payload, np.subtract(y, decoded, out=decoded)
+
+
+def max_abs_error(p: Payload) -> np.ndarray | None:
+    """Per-block bound on the round-trip error: ``s_b / 2`` as float32 (int8, int4).
+
+    ``|x_i − x̂_i| ≤ s_b / 2`` holds up to a relative excess below 2⁻¹⁶ from the float32 rounding
+    of ``x_i / s_b``.
+
+    Args:
+      p: a payload from :func:`encode`.
+
+    Returns:
+      A float32 array with one entry per block, or ``None`` for ``fp32`` (exact) and ``bf16``
+      (whose error is relative, ``|x − x̂| ≤ 2⁻⁹ |x|``, not per block).
+    """
+    if p.scales is None:
+        return None
+    return p.scales.astype(np.float32) / np.float32(2)
+
+
+def _quantize_rows(blocks: np.ndarray, levels: int, scales: np.ndarray, data: np.ndarray, dtype: str) -> None:
+    """Quantizes float32 ``blocks`` (rows) into ``scales`` and ``data`` rows, chunk by chunk."""
+    n_rows, block = blocks.shape
+    rows = max(1, _CHUNK_VALUES // block)
+    work = np.empty((min(rows, n_rows), block), np.float32)
+    if dtype == "int4":
+        nibbles = np.empty((min(rows, n_rows), block), np.uint8)
+    for i in range(0, n_rows, rows):
+        b = blocks[i : i + rows]
+        w = work[: b.shape[0]]
+        np.abs(b, out=w)
+        s16 = _scales_fp16(w.max(axis=1), levels, dtype)
+        scales[i : i + rows] = s16
+        divisor = s16.astype(np.float32)
+        divisor[divisor == 0] = 1  # an all-zero block: 0 / 1 = 0, no 0 / 0
+        np.divide(b, divisor[:, None], out=w)
+        np.rint(w, out=w)
+        np.clip(w, -levels, levels, out=w)  # a no-op given ↑fp16, kept as a guard on the range
+        if dtype == "int8":
+            np.copyto(data[i : i + rows], w, casting="unsafe")
+            continue
+        u = nibbles[: b.shape[0]]
+        np.add(w, 8, out=w)
+        np.copyto(u, w, casting="unsafe")
+        d = data[i : i + rows]
+        np.left_shift(u[:, 1::2], 4, out=d)
+        np.bitwise_or(d, u[:, 0::2], out=d)
+
+
+def _scales_fp16(absmax: np.ndarray, levels: int, dtype: str) -> np.ndarray:
+    """``↑fp16(absmax / L)``: the float16 scale rounded up, so that ``s · L ≥ absmax``."""
+    if not np.isfinite(absmax).all():
+        raise ValueError(f"non-finite values in the array passed to encode(dtype={dtype!r})")
+    s = absmax / np.float32(levels)
+    if s.size and s.max() > _FP16_MAX:
+        raise ValueError(
+            f"block absmax {float(absmax.max()):.6g} needs scale {float(s.max()):.6g} > float16 "
+            f"max {_FP16_MAX:g}: this delta is out of range for dtype {dtype!r}; use 'bf16' or "
+            "'fp32'"
+        )
+    s16 = s.astype(np.float16)
+    # Round-to-nearest went down, or to 0 for a tiny absmax (absmax / L may even underflow float32).
+    low = (s16.astype(np.float32) < s) | ((s16 == 0) & (absmax > 0))
+    if low.any():
+        s16[low] = np.nextafter(s16[low], np.float16(np.inf))
+    return s16
+
+
+def _check_dtype_block(dtype: str, block: int) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown compression dtype {dtype!r}; expected one of {DTYPES}")
+    try:
+        block = operator.index(block)
+    except TypeError:
+        raise ValueError(f"block must be an integer, got {block!r}") from None
+    if block < 2:
+        raise ValueError(f"block must be >= 2, got {block}")
+    if dtype == "int4" and block % 2:
+        raise ValueError(f"block must be even for int4 (two values per byte), got {block}")
+
+
+def _size(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64))

@@ -1,0 +1,450 @@
+"""Run configuration: frozen, typed dataclasses, one per concern, nested in `RunConfig`.
+
+Symbols of ALGORITHM.md §2 and their config names:
+
+    M  learners.count        P  fragments.count      H  sync.every
+    τ  sync.overlap          K  syncer.quorum        γ  syncer.grace_factor
+    η  outer.lr              μ  outer.momentum       α  learner.blend_alpha
+
+`load(path, overrides)` starts from a preset (`tiny` unless the YAML file or an override says
+`preset: small`), applies the YAML file, then dotted overrides such as ``"sync.every=48"``. Every
+invalid value or combination raises `ConfigError` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the field, the value and the fix."""
+
+
+def _fail(name: str, value: Any, allowed: str) -> typing.NoReturn:
+    raise ConfigError(f"{name}={value!r} is invalid: {allowed}")
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        _fail(name, value, allowed)
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        _check(v > 0, f"{section}.{n}", v, "must be > 0")
+
+
+def _choice(section: str, obj: Any, name: str, allowed: Sequence[str]) -> None:
+    v = getattr(obj, name)
+    _check(v in allowed, f"{section}.{name}", v, f"must be one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer LM. `vocab_size=0` takes the tokenizer's vocabulary size."""
+
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    vocab_size: int = 0
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        _positive("model", self, "d_model", "n_layers", "n_heads", "mlp_ratio", "rope_base")
+        _check(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "must be >= 0 (0: from tokenizer)")
+        _check(
+            self.d_model % self.n_heads == 0 and (self.d_model // self.n_heads) % 2 == 0,
+            "model.d_model",
+            self.d_model,
+            f"must be a multiple of model.n_heads={self.n_heads} with an even head size (rotary)",
+        )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Corpus, tokenizer and windows. `source`: stdlib | shakespeare | text:GLOB | parquet:GLOB."""
+
+    source: str = "stdlib"
+    tokenizer: str = "byte"
+    vocab_size: int = 4096  # BPE only
+    seq_len: int = 128
+    val_fraction: float = 0.05
+    max_bytes: int = 0  # 0: the whole corpus
+    cache_dir: str = "~/.cache/dloco/data"
+    eval_batches: int = 8
+
+    def __post_init__(self) -> None:
+        _check(
+            self.source in ("stdlib", "shakespeare") or self.source.startswith(("text:", "parquet:")),
+            "data.source",
+            self.source,
+            "must be stdlib, shakespeare, text:GLOB or parquet:GLOB",
+        )
+        _choice("data", self, "tokenizer", ("byte", "bpe"))
+        _check(self.vocab_size >= 260, "data.vocab_size", self.vocab_size, "must be >= 260 (BPE over bytes)")
+        _positive("data", self, "seq_len", "eval_batches")
+        _check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        _check(self.max_bytes >= 0, "data.max_bytes", self.max_bytes, "must be >= 0 (0: no limit)")
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """Inner optimizer: AdamW with linear warmup then cosine decay to `lr * min_lr_ratio`."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    total_steps: int = 400  # horizon of the cosine schedule
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        _positive("inner", self, "lr", "total_steps", "eps", "grad_clip", "batch_size")
+        _check(self.warmup_steps >= 0, "inner.warmup_steps", self.warmup_steps, "must be >= 0")
+        _check(
+            self.warmup_steps < self.total_steps,
+            "inner.warmup_steps",
+            self.warmup_steps,
+            f"must be < inner.total_steps={self.total_steps}",
+        )
+        _check(0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _check(self.weight_decay >= 0, "inner.weight_decay", self.weight_decay, "must be >= 0")
+        for n in ("b1", "b2"):
+            v = getattr(self, n)
+            _check(0 <= v < 1, f"inner.{n}", v, "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Outer optimizer: SGD with Nesterov momentum, learning rate η, momentum μ."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("outer", self, "lr")
+        _check(0 <= self.momentum < 1, "outer.momentum", self.momentum, "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class FragmentsConfig:
+    """P disjoint parameter fragments (balanced tensor bin-packing, embedding on its own)."""
+
+    count: int = 4
+
+    def __post_init__(self) -> None:
+        _positive("fragments", self, "count")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """H = `every` inner steps between two sends of one fragment; τ = `overlap`."""
+
+    every: int = 24
+    overlap: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("sync", self, "every")
+        _check(self.overlap >= 0, "sync.overlap", self.overlap, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class SyncerConfig:
+    """Quorum K, grace factor γ, grace cap (in steps) and contribution checks."""
+
+    quorum: int = 1
+    grace_factor: float = 0.5
+    max_grace_steps: float = 1.0
+    max_staleness: int = 8
+    max_norm_ratio: float = 10.0
+    norm_warmup: int = 8
+    ema_decay: float = 0.9
+
+    def __post_init__(self) -> None:
+        _positive("syncer", self, "quorum", "max_norm_ratio")
+        _check(self.grace_factor >= 0, "syncer.grace_factor", self.grace_factor, "must be >= 0")
+        _check(self.max_grace_steps >= 0, "syncer.max_grace_steps", self.max_grace_steps, "must be >= 0")
+        _check(self.max_staleness >= 0, "syncer.max_staleness", self.max_staleness, "must be >= 0")
+        _check(self.norm_warmup >= 0, "syncer.norm_warmup", self.norm_warmup, "must be >= 0")
+        _check(0 <= self.ema_decay < 1, "syncer.ema_decay", self.ema_decay, "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """Merge rule for non-embedding tensors and contribution weighting (ALGORITHM.md §6)."""
+
+    rule: str = "rda"
+    weighting: str = "tokens"
+
+    def __post_init__(self) -> None:
+        _choice("merge", self, "rule", ("rda", "mean"))
+        _choice("merge", self, "weighting", ("tokens", "uniform"))
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """Wire formats: learner→syncer `dtype`, syncer→learner `publish` (ALGORITHM.md §7)."""
+
+    dtype: str = "int4"
+    block: int = 128
+    error_feedback: bool = True
+    publish: str = "full"
+    publish_dtype: str = "int4"
+
+    def __post_init__(self) -> None:
+        dtypes = ("fp32", "bf16", "int8", "int4")
+        _choice("compression", self, "dtype", dtypes)
+        _choice("compression", self, "publish_dtype", dtypes)
+        _choice("compression", self, "publish", ("full", "delta"))
+        _check(self.block >= 2 and self.block % 2 == 0, "compression.block", self.block, "must be an even number >= 2")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """How a learner installs a merged fragment: overwrite | blend (α = blend_alpha) | rebase."""
+
+    receive: str = "overwrite"
+    blend_alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        _choice("learner", self, "receive", ("overwrite", "blend", "rebase"))
+        _check(0 <= self.blend_alpha <= 1, "learner.blend_alpha", self.blend_alpha, "must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class LearnersConfig:
+    """M learners and the resources of each one (ALGORITHM.md §1)."""
+
+    count: int = 4
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: Mapping[str, float] = field(default_factory=dict)
+    xla_threads: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("learners", self, "count", "xla_threads")
+        _check(self.num_cpus >= 0, "learners.num_cpus", self.num_cpus, "must be >= 0")
+        _check(self.num_gpus >= 0, "learners.num_gpus", self.num_gpus, "must be >= 0")
+        for k, v in self.resources.items():
+            _check(v >= 0, f"learners.resources.{k}", v, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Fragment store durability: a snapshot every `snapshot_every` commits, `keep` kept."""
+
+    snapshot_every: int = 8
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        _positive("store", self, "snapshot_every", "keep")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Evaluation cadence and the uptime stall threshold (ALGORITHM.md §8)."""
+
+    eval_every_s: float = 10.0
+    stall_threshold_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _positive("metrics", self, "eval_every_s", "stall_threshold_s")
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """Seeded failure injection (filled in by the chaos work; off by default)."""
+
+    enabled: bool = False
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """When a run stops: whichever of the total-token or wall-time budget is hit first (0: none)."""
+
+    tokens: int = 400_000
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.tokens >= 0, "budget.tokens", self.tokens, "must be >= 0 (0: no token budget)")
+        _check(self.seconds >= 0, "budget.seconds", self.seconds, "must be >= 0 (0: no time budget)")
+        _check(
+            self.tokens > 0 or self.seconds > 0, "budget.tokens", self.tokens, "set budget.tokens or budget.seconds > 0"
+        )
+
+
+ALGORITHMS = ("decoupled", "dp", "elastic_dp", "diloco", "streaming")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run, built from one config: everything a launcher needs."""
+
+    preset: str = "tiny"
+    algorithm: str = "decoupled"
+    seed: int = 0
+    run_dir: str = "runs/latest"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    fragments: FragmentsConfig = field(default_factory=FragmentsConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    syncer: SyncerConfig = field(default_factory=SyncerConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    learners: LearnersConfig = field(default_factory=LearnersConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+
+    def __post_init__(self) -> None:
+        _choice("", self, "preset", tuple(PRESETS))
+        _choice("", self, "algorithm", ALGORITHMS)
+        H, P, tau = self.sync.every, self.fragments.count, self.sync.overlap
+        _check(P <= H, "fragments.count", P, f"must be <= sync.every={H} (1 <= P <= H)")
+        _check(H % P == 0, "sync.every", H, f"must be a multiple of fragments.count={P} (H % P == 0)")
+        _check(tau < H / P, "sync.overlap", tau, f"must be < sync.every / fragments.count = {H // P} (τ < H/P)")
+        K, M = self.syncer.quorum, self.learners.count
+        _check(K <= M, "syncer.quorum", K, f"must be <= learners.count={M} (K <= M)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Presets are overrides on the dataclass defaults. `tiny`: a 0.4M-parameter model that trains in
+# seconds on one CPU core. `small`: a 3.4M-parameter model for quality comparisons.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "small": {
+        "model": {"d_model": 256, "n_layers": 4, "n_heads": 4},
+        "inner": {"lr": 2e-3, "warmup_steps": 50, "total_steps": 2000, "batch_size": 8},
+        "data": {"seq_len": 128},
+        "sync": {"every": 48},
+        "budget": {"tokens": 8_000_000},
+    },
+}
+
+
+def _section_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """Checks a YAML/override value against the field type; ints widen to floats."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or isinstance(tp, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        origin = typing.get_origin(tp)
+    if tp is bool:
+        _check(isinstance(value, bool), name, value, "must be true or false")
+    elif tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), name, value, "must be an integer")
+    elif tp is float:
+        _check(isinstance(value, int | float) and not isinstance(value, bool), name, value, "must be a number")
+        value = float(value)
+    elif tp is str:
+        _check(isinstance(value, str), name, value, "must be a string")
+    elif origin in (Mapping, dict) or tp in (Mapping, dict):
+        _check(isinstance(value, Mapping), name, value, "must be a mapping")
+        value = {str(k): _coerce(f"{name}.{k}", v, typing.get_args(tp)[1]) for k, v in value.items()}
+    return value
+
+
+def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+    hints = _section_types(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            _fail(name, value, f"unknown key; allowed keys here: {', '.join(sorted(fields))}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            _check(isinstance(value, Mapping), name, value, "must be a mapping of its fields")
+            kwargs[key] = _build(tp, value, f"{name}.")
+        else:
+            kwargs[key] = _coerce(name, value, tp)
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) and k != "resources":
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _parse_override(text: str) -> dict[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        _fail("override", text, "use dotted KEY=VALUE, e.g. sync.every=48")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node: dict[str, Any] = {}
+    cur = node
+    parts = key.strip().split(".")
+    for p in parts[:-1]:
+        cur[p] = {}
+        cur = cur[p]
+    cur[parts[-1]] = value
+    return node
+
+
+def from_dict(values: Mapping[str, Any]) -> RunConfig:
+    """Builds a `RunConfig` from nested plain values on top of the named preset (default tiny)."""
+    preset = values.get("preset", "tiny")
+    _check(preset in PRESETS, "preset", preset, f"must be one of {', '.join(PRESETS)}")
+    return _build(RunConfig, _merge(PRESETS[preset], values), "")
+
+
+def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Loads a run config: preset → YAML file → dotted overrides (``"sync.every=48"``).
+
+    Raises:
+      ConfigError: unknown key, wrong type, invalid value or invalid combination.
+      FileNotFoundError: `path` does not exist.
+    """
+    values: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({e})") from None
+        _check(isinstance(loaded, Mapping), str(path), type(loaded).__name__, "must be a YAML mapping")
+        values = dict(loaded)
+    for text in overrides:
+        values = _merge(values, _parse_override(text))
+    return from_dict(values)
+
+
+def replace(cfg: RunConfig, *overrides: str) -> RunConfig:
+    """Returns `cfg` with dotted overrides applied (validated like `load`)."""
+    values = _merge(cfg.to_dict(), {})
+    for text in overrides:
+        values = _merge(values, _parse_override(text))
+    return _build(RunConfig, values, "")

@@ -1,0 +1,150 @@
+"""Inner optimization: AdamW train step and eval step, data-parallel over all visible devices.
+
+A learner owns every device visible to its process. `make_mesh()` builds a 1-D `Mesh` with axis
+``"data"``; batches are sharded along it, parameters and optimizer state are replicated, and XLA
+inserts the gradient all-reduce. With one device this is plain single-device training.
+
+Schedule (`InnerConfig`): lr_t = linear warmup 0 → lr over `warmup_steps`, then cosine decay to
+`lr · min_lr_ratio` at `total_steps`. The step index is an explicit argument of the train step, so a
+restarted learner with a fresh AdamW state continues the schedule where its step counter is.
+
+Jit-safety: no data-dependent Python control flow inside the jitted functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dloco.config import InnerConfig
+
+DATA_AXIS = "data"
+
+
+class TrainState(NamedTuple):
+    """A learner's inner state: parameters θ_m, AdamW state and the local step counter t."""
+
+    params: Any
+    opt_state: Any
+    step: int
+
+
+def schedule(cfg: InnerConfig) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.lr,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.total_steps,
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
+    """Gradient clipping then AdamW at unit learning rate; the train step scales by lr_t.
+
+    AdamW: θ ← θ − lr_t · (m̂ / (√v̂ + ε) + λ·θ), weight decay λ only on matrices (ndim ≥ 2).
+    """
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(
+            learning_rate=1.0,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=lambda p: jax.tree_util.tree_map(lambda x: x.ndim >= 2, p),
+        ),
+    )
+
+
+def make_mesh(devices: list | None = None) -> Mesh:
+    """A 1-D data-parallel mesh over `devices` (default: all devices visible to the process)."""
+    devs = np.asarray(devices if devices is not None else jax.devices())
+    return Mesh(devs, (DATA_AXIS,))
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """A copy of every leaf of `tree` on all devices of `mesh` (replicated).
+
+    Always a fresh copy: the train step donates its inputs, which must never invalidate arrays
+    the caller still holds (`jax.device_put` alone may alias the source on its own device).
+    """
+    fresh = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), tree)
+    return jax.device_put(fresh, NamedSharding(mesh, P()))
+
+
+def shard_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
+    """Splits a [batch, ...] array along the data axis; batch must divide by the device count."""
+    n = mesh.devices.size
+    if batch.shape[0] % n:
+        raise ValueError(f"batch size {batch.shape[0]} must be a multiple of the {n} devices of this learner")
+    return jax.device_put(batch, NamedSharding(mesh, P(DATA_AXIS)))
+
+
+def lm_loss(model: Any, params: Any, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sum of next-token cross-entropies over `batch` [b, seq+1] and the number of targets."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = model.apply({"params": params}, inputs)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return losses.sum(), jnp.asarray(losses.size, jnp.float32)
+
+
+def make_train_step(model: Any, cfg: InnerConfig, mesh: Mesh) -> Callable:
+    """Returns ``step(params, opt_state, batch, t) -> (params, opt_state, metrics)``, jitted.
+
+    `metrics` holds the mean loss, the gradient global norm and lr_t. Parameters and optimizer
+    state are donated (updated in place).
+    """
+    tx, lr_fn = optimizer(cfg), schedule(cfg)
+    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
+
+    def step(params, opt_state, batch, t):
+        def loss_fn(p):
+            total, count = lm_loss(model, p, batch)
+            return total / count
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        lr = lr_fn(t)
+        params = jax.tree_util.tree_map(lambda p, u: p + lr * u, params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr}
+        return params, opt_state, metrics
+
+    return jax.jit(
+        step,
+        in_shardings=(replicated, replicated, sharded, replicated),
+        out_shardings=(replicated, replicated, replicated),
+        donate_argnums=(0, 1),
+    )
+
+
+def make_eval_step(model: Any, mesh: Mesh) -> Callable:
+    """Returns ``eval_step(params, batch) -> (loss_sum, count)``, jitted and data-parallel."""
+    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
+    return jax.jit(
+        lambda params, batch: lm_loss(model, params, batch),
+        in_shardings=(replicated, sharded),
+        out_shardings=(replicated, replicated),
+    )
+
+
+def evaluate(eval_step: Callable, params: Any, batches: list[np.ndarray], mesh: Mesh) -> float:
+    """Mean next-token loss (nats) over `batches`."""
+    total, count = 0.0, 0.0
+    for b in batches:
+        s, c = eval_step(params, shard_batch(b, mesh))
+        total, count = total + float(s), count + float(c)
+    return total / max(count, 1.0)
+
+
+def init_state(params: Any, cfg: InnerConfig, mesh: Mesh) -> TrainState:
+    """Fresh AdamW state for `params`, both replicated on `mesh`; step 0."""
+    params = replicate(params, mesh)
+    return TrainState(params, replicate(optimizer(cfg).init(params), mesh), 0)

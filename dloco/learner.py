@@ -1,0 +1,180 @@
+"""The learner's algorithm (ALGORITHM.md §4), without any transport: one object, one step at a time.
+
+`LearnerCore` owns θ_m (replicated on the learner's device mesh), its AdamW state, its data
+stream, and per fragment p: the anchor (the global Θ̂_p it last installed), the version v_p of
+that anchor, the counters c_tok[p], c_steps[p], the error-feedback residual e_p and the record of
+its last push. `step()` never blocks: it trains one batch and returns the pushes that fell due;
+`install()` applies a merged fragment by `learner.receive`:
+
+    overwrite: θ_p ← Θ'_p; counters reset
+    blend:     θ_p ← α·θ_p + (1−α)·Θ'_p; counters reset
+    rebase:    θ_p ← Θ'_p + (θ_p − base); base = θ_p at the push this merge included (counters
+               keep what was trained after it), or the old anchor if the merge did not include a
+               push of this learner (counters unchanged)
+
+A push carries δ_p = anchor_p − θ_p (compressed with error feedback) and `ContributionMeta`.
+The Ray actor in `actors/learner.py` is a thin wrapper around this class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from dloco import compress, inner
+from dloco.config import RunConfig
+from dloco.data import Cursor, TokenStream
+from dloco.fragments import FragmentPlan
+from dloco.policy import ContributionMeta
+
+
+@dataclass(frozen=True)
+class Push:
+    """One learner → syncer contribution: metadata plus one compressed payload per tensor."""
+
+    meta: ContributionMeta
+    payload: dict[str, compress.Payload]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.payload.values())
+
+
+@dataclass
+class _PushRecord:
+    step: int
+    theta: dict[str, np.ndarray]  # θ_p at push time (for rebase)
+    tokens: int
+    steps: int
+
+
+class LearnerCore:
+    """One learner m. See the module docstring for the update rules.
+
+    Args:
+      cfg: the run config.
+      learner_id, incarnation: identity in the store's registry.
+      model, mesh: the Flax model and this learner's device mesh.
+      plan: the fragment plan shared by every actor.
+      fragments: the global fragments Θ̂_p (one flat numpy dict per fragment) to start from.
+      versions: their versions v_p.
+      stream: this learner's token stream (positioned at its resume cursor).
+      step: the local step counter t to resume from (drives the inner lr schedule).
+      batch_size: tokens rows per step; defaults to ``cfg.inner.batch_size``.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        learner_id: int,
+        incarnation: int,
+        model,
+        mesh,
+        plan: FragmentPlan,
+        fragments: list[Mapping[str, np.ndarray]],
+        versions: list[int],
+        stream: TokenStream,
+        step: int = 0,
+    ) -> None:
+        self.cfg, self.learner_id, self.incarnation = cfg, learner_id, incarnation
+        self.plan, self.mesh, self.stream = plan, mesh, stream
+        self._train_step = inner.make_train_step(model, cfg.inner, mesh)
+        params = plan.join([{n: np.asarray(a, np.float32) for n, a in f.items()} for f in fragments])
+        self.state = inner.init_state(params, cfg.inner, mesh)._replace(step=step)
+        P = plan.count
+        self.anchor: list[dict[str, np.ndarray]] = [{k: np.array(v) for k, v in f.items()} for f in fragments]
+        self.version = list(versions)
+        self.c_tok, self.c_steps = [0] * P, [0] * P
+        self.residual: list[dict[str, np.ndarray] | None] = [None] * P
+        self.last_push: list[_PushRecord | None] = [None] * P
+        self.tokens_per_step = stream.batch_size * stream.seq_len
+        self.step_time = 0.0
+
+    @property
+    def step_count(self) -> int:
+        return self.state.step
+
+    @property
+    def cursor(self) -> Cursor:
+        return self.stream.cursor
+
+    def step(self, step_time: float | None = None) -> tuple[dict[str, float], list[Push]]:
+        """One inner AdamW step on the next batch; returns its metrics and the pushes now due.
+
+        `step_time` is the caller's measure of seconds per step (wall or virtual clock); it
+        travels in the pushes' metadata and feeds the syncer's ξ_step.
+        """
+        if step_time is not None:
+            self.step_time = float(step_time)
+        batch = inner.shard_batch(self.stream.next_batch(), self.mesh)
+        params, opt_state, metrics = self._train_step(self.state.params, self.state.opt_state, batch, self.state.step)
+        self.state = inner.TrainState(params, opt_state, self.state.step + 1)
+        for p in range(self.plan.count):
+            self.c_tok[p] += self.tokens_per_step
+            self.c_steps[p] += 1
+        pushes = [self._push(p) for p in self.plan.due(self.state.step, self.cfg.sync.every)]
+        return {k: float(v) for k, v in metrics.items()}, pushes
+
+    def _push(self, p: int) -> Push:
+        theta = self.plan.extract(self.state.params, p)
+        cfg = self.cfg.compression
+        payload, residual = {}, {}
+        for n, x in theta.items():
+            delta = self.anchor[p][n] - x  # pseudo-gradient δ = anchor − θ
+            e = self.residual[p][n] if (cfg.error_feedback and self.residual[p] is not None) else None
+            payload[n], residual[n] = compress.encode_with_feedback(delta, e, cfg.dtype, cfg.block)
+        if cfg.error_feedback:
+            self.residual[p] = residual
+        self.last_push[p] = _PushRecord(self.state.step, theta, self.c_tok[p], self.c_steps[p])
+        meta = ContributionMeta(
+            learner_id=self.learner_id,
+            incarnation=self.incarnation,
+            fragment_id=p,
+            base_version=self.version[p],
+            tokens=self.c_tok[p],
+            steps=self.c_steps[p],
+            step=self.state.step,
+            step_time=self.step_time,
+            cursor=self.stream.cursor.to_dict(),
+        )
+        return Push(meta, payload)
+
+    def install(
+        self, fragment_id: int, version: int, values: Mapping[str, np.ndarray], included_step: int | None
+    ) -> None:
+        """Installs merged fragment Θ'_p of `version` by `learner.receive` (module docstring).
+
+        `included_step` is the local step of this learner's push that the merge included, or
+        None if the merge included no push of this learner.
+        """
+        p = fragment_id
+        if version <= self.version[p]:
+            return  # an older or repeated publish: nothing new to install
+        mode, alpha = self.cfg.learner.receive, self.cfg.learner.blend_alpha
+        record = self.last_push[p]
+        included = record is not None and included_step is not None and included_step == record.step
+        if mode == "overwrite":
+            new = {n: np.asarray(v, np.float32) for n, v in values.items()}
+        else:
+            theta = self.plan.extract(self.state.params, p)
+            if mode == "blend":
+                new = {n: alpha * theta[n] + (1.0 - alpha) * values[n] for n in values}
+            else:  # rebase
+                base = record.theta if included else self.anchor[p]
+                new = {n: values[n] + (theta[n] - base[n]) for n in values}
+        if mode != "rebase":
+            self.c_tok[p] = self.c_steps[p] = 0
+            self.last_push[p] = None
+        elif included:
+            self.c_tok[p] -= record.tokens
+            self.c_steps[p] -= record.steps
+            self.last_push[p] = None
+        elif record is not None:
+            # The pending push may still be merged later: move its θ by the same shift as θ.
+            record.theta = {n: record.theta[n] + (values[n] - self.anchor[p][n]) for n in values}
+        self.anchor[p] = {n: np.array(v, np.float32) for n, v in values.items()}
+        self.version[p] = version
+        new = inner.replicate({n: np.asarray(v, np.float32) for n, v in new.items()}, self.mesh)
+        self.state = self.state._replace(params=self.plan.install(self.state.params, new))

