@@ -89,7 +89,7 @@ class LearnerCore:
         self.c_tok, self.c_steps = [0] * P, [0] * P
         self.residual: list[dict[str, np.ndarray] | None] = [None] * P
         self.last_push: list[_PushRecord | None] = [None] * P
-        self.tokens_per_step = stream.batch_size * stream.seq_len
+        self.tokens_per_step = stream.tokens_per_batch
         self.step_time = 0.0
 
     @property

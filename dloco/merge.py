@@ -83,11 +83,17 @@ def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float] | np.nd
     return _combine(flats, _normalized(weights, len(flats))).reshape(shape)
 
 
-def rda(deltas: Sequence[np.ndarray], weights: Sequence[float] | np.ndarray) -> np.ndarray:
-    """Radial-directional average of one tensor's deltas (see module docstring), float32."""
+def rda(
+    deltas: Sequence[np.ndarray], weights: Sequence[float] | np.ndarray, norms: Sequence[float] | None = None
+) -> np.ndarray:
+    """Radial-directional average of one tensor's deltas (see module docstring), float32.
+
+    `norms` may pass the ‖δ_m‖ already computed while validating the contributions (`tensor_norms`),
+    which saves one read of every delta.
+    """
     flats, shape = _flat(deltas)
     w = _normalized(weights, len(flats))
-    norms = np.array([_norm(f) for f in flats])
+    norms = np.array([_norm(f) for f in flats] if norms is None else norms, dtype=np.float64)
     unit_coefs = np.divide(w, norms, out=np.zeros_like(w), where=norms > 0)
     direction = _combine(flats, unit_coefs)  # Σ w̃_m unit(δ_m)
     dnorm = _norm(direction)
@@ -97,11 +103,18 @@ def rda(deltas: Sequence[np.ndarray], weights: Sequence[float] | np.ndarray) -> 
     return direction.reshape(shape)
 
 
+def tensor_norms(delta: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """‖δ‖ per tensor of one contribution (non-finite if any value is; never raises)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return {n: _norm(np.ascontiguousarray(x, dtype=np.float32).reshape(-1)) for n, x in delta.items()}
+
+
 def merge_fragment(
     deltas: Sequence[Mapping[str, np.ndarray]],
     weights: Sequence[float] | np.ndarray,
     rule: str = "rda",
     embedding: frozenset[str] | set[str] = frozenset(),
+    norms: Sequence[Mapping[str, float]] | None = None,
 ) -> dict[str, np.ndarray]:
     """Merges one fragment's contributions tensor by tensor.
 
@@ -110,6 +123,7 @@ def merge_fragment(
       weights: w_m per contribution (e.g. `token_weights`, or ones for uniform weighting).
       rule: ``"rda"`` or ``"mean"`` for non-embedding tensors.
       embedding: tensor names that always use the weighted mean.
+      norms: optional `tensor_norms` of each contribution, reused by RDA.
 
     Returns:
       ``{tensor name: Δ}`` in float32.
@@ -124,6 +138,9 @@ def merge_fragment(
             raise ValueError(f"contributions name different tensors: {sorted(d)} vs {sorted(names)}")
     out = {}
     for n in names:
-        fn = weighted_mean if (rule == "mean" or n in embedding) else rda
-        out[n] = fn([d[n] for d in deltas], weights)
+        tensors = [d[n] for d in deltas]
+        if rule == "mean" or n in embedding:
+            out[n] = weighted_mean(tensors, weights)
+        else:
+            out[n] = rda(tensors, weights, None if norms is None else [nm[n] for nm in norms])
     return out

@@ -140,3 +140,14 @@ def test_rda_norm_is_weighted_mean_norm(data):
     direction = sum(wi * d / n for wi, d, n in zip(wn, deltas, norms, strict=True) if n > 0)
     if np.linalg.norm(direction) >= 1e-3:  # away from the fallback threshold
         assert np.linalg.norm(out) == pytest.approx(wn @ norms, rel=1e-4, abs=1e-3)
+
+
+def test_rda_reuses_validation_norms():
+    rng = np.random.default_rng(4)
+    deltas = [{"w": rng.normal(size=(5, 3)).astype(np.float32)} for _ in range(3)]
+    norms = [merge.tensor_norms(d) for d in deltas]
+    assert norms[0]["w"] == pytest.approx(float(np.linalg.norm(deltas[0]["w"])), rel=1e-6)
+    a = merge.merge_fragment(deltas, [1, 2, 3])["w"]
+    b = merge.merge_fragment(deltas, [1, 2, 3], norms=norms)["w"]
+    np.testing.assert_array_equal(a, b)
+    assert not np.isfinite(merge.tensor_norms({"x": np.array([np.inf], np.float32)})["x"])

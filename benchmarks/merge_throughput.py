@@ -1,0 +1,155 @@
+"""Merge throughput: RDA merge + outer Nesterov step, and int4 encode/decode, vs numpy copy.
+
+All rates are measured in one run, side by side, on the same arrays (this machine is noisy):
+
+  copy      np.copyto of the fragment set                    GB/s of fp32 parameters copied
+  merge     merge_fragment (RDA, M contributions)            GB/s of fp32 parameters produced
+            + outer_step (optax Nesterov SGD)                and of contribution bytes read
+  int4 enc  compress.encode(x, "int4")                       GB/s of fp32 input
+  int4 dec  compress.decode(payload)                         GB/s of fp32 output
+
+Usage:  python benchmarks/merge_throughput.py [--params 100e6] [--learners 4] [--repeat 3]
+Writes  benchmarks/results/merge_throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+from dloco import compress, config, merge, outer  # noqa: E402
+
+
+def fragment_set(n_params: int, tensor: int, rng: np.random.Generator, scale: float = 1.0) -> dict[str, np.ndarray]:
+    out, left, i = {}, n_params, 0
+    while left > 0:
+        k = min(tensor, left)
+        out[f"t{i:04d}"] = rng.standard_normal(k, dtype=np.float32) * np.float32(scale)
+        left, i = left - k, i + 1
+    return out
+
+
+def best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=100e6, help="parameters in the fragment set")
+    ap.add_argument("--tensor", type=int, default=4_000_000, help="parameters per tensor")
+    ap.add_argument("--learners", type=int, default=4, help="contributions merged (M)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/merge_throughput.json")
+    args = ap.parse_args()
+    n = int(args.params)
+    rng = np.random.default_rng(0)
+    theta = fragment_set(n, args.tensor, rng)
+    deltas = [fragment_set(n, args.tensor, rng, 1e-3) for _ in range(args.learners)]
+    weights = merge.token_weights([1000 * (m + 1) for m in range(args.learners)], [10] * args.learners)
+    ocfg = config.OuterConfig()
+    step, state = outer.make_outer_step(ocfg), outer.init(ocfg, theta)
+    gb = n * 4 / 1e9
+
+    dst = {k: np.empty_like(v) for k, v in theta.items()}
+    t_copy = best(lambda: [np.copyto(dst[k], v) for k, v in theta.items()], args.repeat)
+
+    holder = {"theta": theta, "state": state}
+
+    def do_merge():
+        d = merge.merge_fragment(deltas, weights, rule="rda")
+        holder["theta"], holder["state"] = step(holder["theta"], holder["state"], d)
+
+    norms = [merge.tensor_norms(d) for d in deltas]
+
+    def do_merge_syncer():  # the syncer's path: per-tensor norms come from validating each contribution
+        d = merge.merge_fragment(deltas, weights, rule="rda", norms=norms)
+        holder["theta"], holder["state"] = step(holder["theta"], holder["state"], d)
+
+    do_merge()  # compile the outer step once
+    t_merge = best(do_merge, args.repeat)
+    t_merge_syncer = best(do_merge_syncer, args.repeat)
+    t_rda = best(lambda: merge.merge_fragment(deltas, weights, rule="rda"), args.repeat)
+    t_rda_norms = best(lambda: merge.merge_fragment(deltas, weights, rule="rda", norms=norms), args.repeat)
+    d = merge.merge_fragment(deltas, weights, rule="rda")
+    t_outer = best(lambda: step(holder["theta"], holder["state"], d), args.repeat)
+    x = deltas[0]
+    payloads = {}
+    t_enc = best(lambda: payloads.update({k: compress.encode(v, "int4") for k, v in x.items()}), args.repeat)
+    t_dec = best(lambda: [compress.decode(p) for p in payloads.values()], args.repeat)
+    wire = sum(p.nbytes for p in payloads.values())
+
+    copy_bw = gb / t_copy
+    rows = [
+        ("numpy copy", t_copy, gb / t_copy, None),
+        (f"RDA merge (M={args.learners}) + outer step", t_merge, gb / t_merge, args.learners * gb / t_merge),
+        (
+            "RDA merge, norms from validation + outer",
+            t_merge_syncer,
+            gb / t_merge_syncer,
+            args.learners * gb / t_merge_syncer,
+        ),
+        (f"RDA merge only (M={args.learners})", t_rda, gb / t_rda, args.learners * gb / t_rda),
+        (
+            f"RDA merge, norms from validation (M={args.learners})",
+            t_rda_norms,
+            gb / t_rda_norms,
+            args.learners * gb / t_rda_norms,
+        ),
+        ("outer step only", t_outer, gb / t_outer, None),
+        ("int4 encode", t_enc, gb / t_enc, None),
+        ("int4 decode", t_dec, gb / t_dec, None),
+    ]
+    print(
+        f"fragment set: {n / 1e6:.0f}M fp32 parameters ({gb:.2f} GB), {len(theta)} tensors; "
+        f"int4 wire size {wire / 1e6:.1f} MB ({wire / (n * 4):.4f} of fp32)"
+    )
+    print(f"{'operation':44s} {'seconds':>8s} {'GB/s params':>12s} {'x copy':>7s} {'GB/s inputs':>12s} {'x copy':>7s}")
+    results = []
+    for name, t, bw, in_bw in rows:
+        ratio = bw / copy_bw
+        in_txt = f"{in_bw:12.2f} {in_bw / copy_bw:7.2f}" if in_bw else f"{'':12s} {'':7s}"
+        print(f"{name:44s} {t:8.3f} {bw:12.2f} {ratio:7.2f} {in_txt}")
+        results.append(
+            {
+                "operation": name,
+                "seconds": t,
+                "gbps_params": bw,
+                "ratio_to_copy": ratio,
+                "gbps_inputs": in_bw,
+                "inputs_ratio_to_copy": in_bw / copy_bw if in_bw else None,
+            }
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "params": n,
+                "learners": args.learners,
+                "tensors": len(theta),
+                "machine": platform.processor() or platform.machine(),
+                "cpus": os.cpu_count(),
+                "int4_wire_bytes": wire,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

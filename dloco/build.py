@@ -1,0 +1,75 @@
+"""Builds the pieces of a run from one `RunConfig`: corpus, model, fragment plan, initial Θ.
+
+Every actor (learner, store, syncer, driver) calls these with the same config and gets the same
+model, plan and initial fragments, so nothing but arrays and small metadata has to travel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dloco import data, model
+from dloco.config import RunConfig
+from dloco.fragments import FragmentPlan, embedding_names, partition
+
+
+@dataclass(frozen=True)
+class Blueprint:
+    """What every actor derives from the config: corpus, model, plan, initial fragments Θ_p⁰."""
+
+    corpus: data.Corpus
+    model: model.TransformerLM
+    plan: FragmentPlan
+    initial: tuple[dict[str, np.ndarray], ...]
+
+    @property
+    def embedding(self) -> frozenset[str]:
+        return embedding_names(self.plan.names)
+
+
+def corpus(cfg: RunConfig) -> data.Corpus:
+    """The tokenized corpus of `cfg.data` (prepared once, then read from the cache)."""
+    d = cfg.data
+    return data.prepare_corpus(
+        d.source,
+        tokenizer=d.tokenizer,
+        vocab_size=d.vocab_size if d.tokenizer == "bpe" else None,
+        val_fraction=d.val_fraction,
+        max_bytes=d.max_bytes,
+        cache_dir=Path(d.cache_dir).expanduser(),
+    )
+
+
+def blueprint(cfg: RunConfig) -> Blueprint:
+    """Corpus, model, plan and the initial parameters from `jax.random.PRNGKey(cfg.seed)`."""
+    c = corpus(cfg)
+    m = model.build(cfg.model, c.vocab_size)
+    params = model.init_params(m, cfg.seed, cfg.data.seq_len)
+    plan = partition(params, cfg.fragments.count)
+    return Blueprint(c, m, plan, tuple(plan.split(params)))
+
+
+def stream(cfg: RunConfig, tokens: np.ndarray, shard: int, num_shards: int, cursor=None, batch_size: int = 0):
+    """Learner `shard`'s token stream over the train split (disjoint across shards)."""
+    return data.TokenStream(
+        tokens,
+        seq_len=cfg.data.seq_len,
+        batch_size=batch_size or cfg.inner.batch_size,
+        shard=shard,
+        num_shards=num_shards,
+        seed=cfg.seed,
+        cursor=cursor,
+    )
+
+
+def eval_set(cfg: RunConfig, c: data.Corpus) -> list[np.ndarray]:
+    """The fixed validation batches used for every evaluation of a run."""
+    return data.eval_batches(
+        c.load_split("val"),
+        seq_len=cfg.data.seq_len,
+        batch_size=cfg.inner.batch_size,
+        max_batches=cfg.data.eval_batches,
+    )
