@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dloco import data, model
+from dloco import data, model, outer
 from dloco.config import RunConfig
 from dloco.fragments import FragmentPlan, embedding_names, partition
 
@@ -52,14 +52,14 @@ def blueprint(cfg: RunConfig) -> Blueprint:
     return Blueprint(c, m, plan, tuple(plan.split(params)))
 
 
-def stream(cfg: RunConfig, tokens: np.ndarray, shard: int, num_shards: int, cursor=None, batch_size: int = 0):
-    """Learner `shard`'s token stream over the train split (disjoint across shards)."""
+def stream(cfg: RunConfig, tokens: np.ndarray, learner_id: int, cursor=None, batch_size: int = 0):
+    """Learner `learner_id`'s token stream: shard `learner_id` of `data.shards` disjoint shards."""
     return data.TokenStream(
         tokens,
         seq_len=cfg.data.seq_len,
         batch_size=batch_size or cfg.inner.batch_size,
-        shard=shard,
-        num_shards=num_shards,
+        shard=learner_id,
+        num_shards=cfg.data.shards,
         seed=cfg.seed,
         cursor=cursor,
     )
@@ -73,3 +73,15 @@ def eval_set(cfg: RunConfig, c: data.Corpus) -> list[np.ndarray]:
         batch_size=cfg.inner.batch_size,
         max_batches=cfg.data.eval_batches,
     )
+
+
+def initial_outer(cfg: RunConfig, bp: Blueprint) -> list[list[np.ndarray]]:
+    """s_p⁰ (zero momentum) per fragment, as numpy leaves for the store."""
+    return [outer.state_to_numpy(outer.init(cfg.outer, f)) for f in bp.initial]
+
+
+def learner_batch_size(cfg: RunConfig, learner_id: int) -> int:
+    """Rows per step of learner `learner_id` (its group's batch size, else `inner.batch_size`)."""
+    groups = cfg.learners.expand()
+    g = groups[learner_id] if learner_id < len(groups) else groups[-1]
+    return g.batch_size or cfg.inner.batch_size

@@ -82,6 +82,7 @@ class DataConfig:
     max_bytes: int = 0  # 0: the whole corpus
     cache_dir: str = "~/.cache/dloco/data"
     eval_batches: int = 8
+    shards: int = 64  # disjoint data streams; learner m reads shard m, so at most this many learners
 
     def __post_init__(self) -> None:
         _check(
@@ -92,7 +93,7 @@ class DataConfig:
         )
         _choice("data", self, "tokenizer", ("byte", "bpe"))
         _check(self.vocab_size >= 260, "data.vocab_size", self.vocab_size, "must be >= 260 (BPE over bytes)")
-        _positive("data", self, "seq_len", "eval_batches")
+        _positive("data", self, "seq_len", "eval_batches", "shards")
         _check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
         _check(self.max_bytes >= 0, "data.max_bytes", self.max_bytes, "must be >= 0 (0: no limit)")
 
@@ -227,21 +228,65 @@ class LearnerConfig:
 
 
 @dataclass(frozen=True)
+class LearnerGroup:
+    """Learners that share resources and batch size, e.g. one region's accelerators.
+
+    `batch_size` 0 takes `inner.batch_size`. `resources` are Ray custom resources each learner
+    needs (e.g. ``{region_us: 1}`` to place it on nodes that carry that label). `slowdown` ≥ 1
+    makes each step take that many times longer (emulated slower hardware).
+    """
+
+    name: str = "default"
+    count: int = 1
+    batch_size: int = 0
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: Mapping[str, float] = field(default_factory=dict)
+    slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        pre = f"learners.groups[{self.name}]"
+        _check(self.count >= 0, f"{pre}.count", self.count, "must be >= 0")
+        _check(self.batch_size >= 0, f"{pre}.batch_size", self.batch_size, "must be >= 0 (0: inner.batch_size)")
+        _check(self.num_cpus >= 0, f"{pre}.num_cpus", self.num_cpus, "must be >= 0")
+        _check(self.num_gpus >= 0, f"{pre}.num_gpus", self.num_gpus, "must be >= 0")
+        _check(self.slowdown >= 1, f"{pre}.slowdown", self.slowdown, "must be >= 1")
+        for k, v in self.resources.items():
+            _check(v >= 0, f"{pre}.resources.{k}", v, "must be >= 0")
+
+
+@dataclass(frozen=True)
 class LearnersConfig:
-    """M learners and the resources of each one (ALGORITHM.md §1)."""
+    """M learners (ALGORITHM.md §1): `count` identical ones, or `groups` (then M = Σ counts).
+
+    Scaling a run is one line: ``learners.count=8``, or a group's ``count``.
+    """
 
     count: int = 4
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     resources: Mapping[str, float] = field(default_factory=dict)
     xla_threads: int = 1
+    groups: tuple[LearnerGroup, ...] = ()
 
     def __post_init__(self) -> None:
-        _positive("learners", self, "count", "xla_threads")
+        _positive("learners", self, "xla_threads")
+        if self.groups:
+            names = [g.name for g in self.groups]
+            _check(len(set(names)) == len(names), "learners.groups", names, "group names must be unique")
+            object.__setattr__(self, "count", sum(g.count for g in self.groups))
+        _check(self.count >= 1, "learners.count", self.count, "must be >= 1")
         _check(self.num_cpus >= 0, "learners.num_cpus", self.num_cpus, "must be >= 0")
         _check(self.num_gpus >= 0, "learners.num_gpus", self.num_gpus, "must be >= 0")
         for k, v in self.resources.items():
             _check(v >= 0, f"learners.resources.{k}", v, "must be >= 0")
+
+    def expand(self) -> list[LearnerGroup]:
+        """One entry per learner id 0..M−1 (its group)."""
+        if not self.groups:
+            g = LearnerGroup("default", self.count, 0, self.num_cpus, self.num_gpus, self.resources)
+            return [g] * self.count
+        return [g for g in self.groups for _ in range(g.count)]
 
 
 @dataclass(frozen=True)
@@ -289,7 +334,7 @@ class BudgetConfig:
         )
 
 
-ALGORITHMS = ("decoupled", "dp", "elastic_dp", "diloco", "streaming")
+ALGORITHMS = ("decoupled", "diloco", "streaming")
 
 
 @dataclass(frozen=True)
@@ -325,6 +370,19 @@ class RunConfig:
         _check(tau < H / P, "sync.overlap", tau, f"must be < sync.every / fragments.count = {H // P} (τ < H/P)")
         K, M = self.syncer.quorum, self.learners.count
         _check(K <= M, "syncer.quorum", K, f"must be <= learners.count={M} (K <= M)")
+        _check(
+            self.data.shards >= M, "learners.count", M, f"must be <= data.shards={self.data.shards} (one shard each)"
+        )
+        if self.algorithm in ("diloco", "streaming"):
+            _check(K == M, "syncer.quorum", K, f"must equal learners.count={M} for algorithm={self.algorithm} (K = M)")
+        if self.algorithm == "diloco":
+            _check(P == 1, "fragments.count", P, "must be 1 for algorithm=diloco (use streaming for P > 1)")
+        _check(
+            self.compression.publish == "full",
+            "compression.publish",
+            self.compression.publish,
+            "only full is implemented so far; use full",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -363,6 +421,15 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         value = float(value)
     elif tp is str:
         _check(isinstance(value, str), name, value, "must be a string")
+    elif origin is tuple and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        _check(isinstance(value, list | tuple), name, value, "must be a list of mappings")
+        item = typing.get_args(tp)[0]
+        value = tuple(
+            _build(item, v, f"{name}[{i}].")
+            if isinstance(v, Mapping)
+            else _fail(f"{name}[{i}]", v, "must be a mapping")
+            for i, v in enumerate(value)
+        )
     elif origin in (Mapping, dict) or tp in (Mapping, dict):
         _check(isinstance(value, Mapping), name, value, "must be a mapping")
         value = {str(k): _coerce(f"{name}.{k}", v, typing.get_args(tp)[1]) for k, v in value.items()}

@@ -42,6 +42,17 @@ class Push:
         return sum(p.nbytes for p in self.payload.values())
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """A merged fragment Θ'_p at `version` that reached the learner; `included_step` is the step
+    of this learner's push that the merge included (None if it included none)."""
+
+    fragment_id: int
+    version: int
+    values: Mapping[str, np.ndarray]
+    included_step: int | None = None
+
+
 @dataclass
 class _PushRecord:
     step: int
@@ -91,6 +102,11 @@ class LearnerCore:
         self.last_push: list[_PushRecord | None] = [None] * P
         self.tokens_per_step = stream.tokens_per_batch
         self.step_time = 0.0
+        # Blocking baselines (§9): after pushing p at step s, the merge is installed at step s + τ
+        # exactly, and the learner waits for it there. Decoupled learners install on arrival.
+        self.blocking = cfg.algorithm in ("diloco", "streaming")
+        self.inbox: dict[int, Delivery] = {}
+        self.outstanding: dict[int, int] = {}  # fragment → step of a push still awaiting its merge
 
     @property
     def step_count(self) -> int:
@@ -114,11 +130,22 @@ class LearnerCore:
         for p in range(self.plan.count):
             self.c_tok[p] += self.tokens_per_step
             self.c_steps[p] += 1
-        pushes = [self._push(p) for p in self.plan.due(self.state.step, self.cfg.sync.every)]
-        return {k: float(v) for k, v in metrics.items()}, pushes
+        out = {k: float(v) for k, v in metrics.items()}
+        pushes = []
+        for p in self.plan.due(self.state.step, self.cfg.sync.every):
+            push = self._push(p)
+            if push is None:
+                out["diverged_fragment"] = p
+            else:
+                pushes.append(push)
+        return out, pushes
 
-    def _push(self, p: int) -> Push:
+    def _push(self, p: int) -> Push | None:
         theta = self.plan.extract(self.state.params, p)
+        if not all(np.isfinite(x).all() for x in theta.values()):
+            # Local training diverged: nothing to send; restart this fragment from the global one.
+            self._reset_fragment(p)
+            return None
         cfg = self.cfg.compression
         payload, residual = {}, {}
         for n, x in theta.items():
@@ -128,6 +155,8 @@ class LearnerCore:
         if cfg.error_feedback:
             self.residual[p] = residual
         self.last_push[p] = _PushRecord(self.state.step, theta, self.c_tok[p], self.c_steps[p])
+        if self.blocking:
+            self.outstanding[p] = self.state.step
         meta = ContributionMeta(
             learner_id=self.learner_id,
             incarnation=self.incarnation,
@@ -140,6 +169,42 @@ class LearnerCore:
             cursor=self.stream.cursor.to_dict(),
         )
         return Push(meta, payload)
+
+    def _reset_fragment(self, p: int) -> None:
+        self.c_tok[p] = self.c_steps[p] = 0
+        self.residual[p], self.last_push[p] = None, None
+        anchor = inner.replicate(self.anchor[p], self.mesh)
+        self.state = self.state._replace(params=self.plan.install(self.state.params, anchor))
+
+    def receive(self, d: Delivery) -> None:
+        """Queues a merged fragment; `apply_inbox` installs it when its time has come."""
+        p = d.fragment_id
+        if d.version <= self.version[p]:
+            return
+        old = self.inbox.get(p)
+        if old is not None:
+            if d.version <= old.version:
+                return
+            if d.included_step is None:  # a newer merge still carries what the skipped one merged
+                d = Delivery(p, d.version, d.values, old.included_step)
+        self.inbox[p] = d
+
+    def apply_inbox(self) -> list[int]:
+        """Installs queued merges (blocking mode: only once step ≥ push step + τ); returns their ids."""
+        done = []
+        for p in sorted(self.inbox):
+            s = self.outstanding.get(p)
+            if s is not None and self.state.step < s + self.cfg.sync.overlap:
+                continue
+            d = self.inbox.pop(p)
+            self.install(p, d.version, d.values, d.included_step)
+            self.outstanding.pop(p, None)
+            done.append(p)
+        return done
+
+    def waiting_for(self) -> list[int]:
+        """Blocking mode: fragments whose merge must be installed before the next step."""
+        return [p for p, s in self.outstanding.items() if self.state.step >= s + self.cfg.sync.overlap]
 
     def install(
         self, fragment_id: int, version: int, values: Mapping[str, np.ndarray], included_step: int | None

@@ -99,8 +99,8 @@ class NormTracker:
         self._norms.append(norm)
 
     def ready(self) -> bool:
-        """Whether at least ``warmup`` norms are recorded."""
-        return len(self._norms) >= self.warmup
+        """Whether at least ``warmup`` norms (and at least one) are recorded."""
+        return len(self._norms) >= max(self.warmup, 1)
 
     def median(self) -> float:
         """Median of the recorded norms. Raises ValueError if none are recorded."""
@@ -459,6 +459,11 @@ class FragmentRound:
     def quorum_time(self) -> float | None:
         """Seconds from this round's first push to its K-th, once reached (read before take)."""
         return self._quorum_time
+
+    @property
+    def quorum_reached_at(self) -> float | None:
+        """When the K-th contribution arrived (read before take), or None."""
+        return self._quorum_reached_at
 
     def add(self, meta: ContributionMeta, item: object, now: float) -> str | None:
         """Adds an accepted push; returns a reason string if it superseded (or lost to) another.

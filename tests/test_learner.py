@@ -16,10 +16,10 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("data"))
 
 
-def make(cache, *overrides, learner_id=0, num_learners=1):
+def make(cache, *overrides, learner_id=0):
     cfg = config.load(overrides=(*SMALL, f"data.cache_dir={cache}", "data.max_bytes=300000", *overrides))
     bp = build.blueprint(cfg)
-    stream = build.stream(cfg, bp.corpus.load_split("train"), learner_id, num_learners)
+    stream = build.stream(cfg, bp.corpus.load_split("train"), learner_id)
     core = LearnerCore(
         cfg, learner_id, 1, bp.model, inner.make_mesh(), bp.plan, list(bp.initial), [0] * bp.plan.count, stream
     )
@@ -54,7 +54,7 @@ def test_one_learner_every_step_outer_lr_one_equals_plain_training(cache):
     mesh = inner.make_mesh()
     ref = inner.init_state(bp.plan.join(list(bp.initial)), cfg.inner, mesh)
     step_fn = inner.make_train_step(bp.model, cfg.inner, mesh)
-    stream = build.stream(cfg, bp.corpus.load_split("train"), 0, 1)
+    stream = build.stream(cfg, bp.corpus.load_split("train"), 0)
     params, opt_state = ref.params, ref.opt_state
     for t in range(12):
         params, opt_state, _ = step_fn(params, opt_state, inner.shard_batch(stream.next_batch(), mesh), t)
@@ -142,7 +142,7 @@ def test_tiny_preset_single_learner_validation_loss_falls(cache, capsys):
         bp.plan,
         list(bp.initial),
         [0] * bp.plan.count,
-        build.stream(cfg, bp.corpus.load_split("train"), 0, 1),
+        build.stream(cfg, bp.corpus.load_split("train"), 0),
     )
     ev, batches = inner.make_eval_step(bp.model, mesh), build.eval_set(cfg, bp.corpus)
     before = inner.evaluate(ev, core.state.params, batches, mesh)

@@ -1,0 +1,160 @@
+"""The run in one process, without Ray, on a virtual clock (deterministic).
+
+Drives the same cores the Ray actors wrap (`LearnerCore`, `SyncerCore`, `StoreCore`) through the
+same sequence of calls: learners step and push, the syncer closes rounds when `ready` says so,
+merges, commits to the store, and the store's new fragments reach every learner. Learner m's
+step takes ``step_times[m]`` virtual seconds (default: its group's slowdown × batch size /
+`inner.batch_size`); a commit reaches learners ``sync_time`` virtual seconds after it closes.
+Used by tests, notebooks and fast ablations.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dloco import build, inner
+from dloco.config import RunConfig
+from dloco.data import Cursor
+from dloco.learner import Delivery, LearnerCore
+from dloco.store import StoreCore
+from dloco.syncer import SyncerCore
+
+
+@dataclass
+class LocalRun:
+    """Everything a finished local run leaves: the cores, its events and the virtual end time."""
+
+    cfg: RunConfig
+    blueprint: build.Blueprint
+    store: StoreCore
+    syncer: SyncerCore
+    learners: list[LearnerCore]
+    events: list[dict[str, Any]] = field(default_factory=list)
+    now: float = 0.0
+
+    def global_params(self) -> dict:
+        return self.blueprint.plan.join([self.store.fragment(p)[1] for p in range(self.blueprint.plan.count)])
+
+    def evaluate(self) -> float:
+        mesh = inner.make_mesh()
+        ev = inner.make_eval_step(self.blueprint.model, mesh)
+        params = inner.replicate(self.global_params(), mesh)
+        return inner.evaluate(ev, params, build.eval_set(self.cfg, self.blueprint.corpus), mesh)
+
+
+def default_step_times(cfg: RunConfig) -> list[float]:
+    return [g.slowdown * (g.batch_size or cfg.inner.batch_size) / cfg.inner.batch_size for g in cfg.learners.expand()]
+
+
+def run_local(
+    cfg: RunConfig,
+    run_dir: str | os.PathLike,
+    steps: int,
+    step_times: list[float] | None = None,
+    sync_time: float = 0.0,
+) -> LocalRun:
+    """Runs M learners for `steps` inner steps each (blocking baselines may take longer)."""
+    bp = build.blueprint(cfg)
+    store = StoreCore(
+        Path(run_dir) / "store",
+        list(bp.initial),
+        build.initial_outer(cfg, bp),
+        cfg.store.snapshot_every,
+        cfg.store.keep,
+    )
+    M = cfg.learners.count
+    tokens = bp.corpus.load_split("train")
+    mesh = inner.make_mesh()
+    learners = []
+    for m in range(M):
+        reg = store.register(m)
+        cursor = Cursor.from_dict(reg.cursor) if reg.cursor else None
+        stream = build.stream(cfg, tokens, m, cursor, build.learner_batch_size(cfg, m))
+        fr = [store.fragment(p) for p in range(bp.plan.count)]
+        learners.append(
+            LearnerCore(
+                cfg,
+                m,
+                reg.incarnation,
+                bp.model,
+                mesh,
+                bp.plan,
+                [v for _, v in fr],
+                [ver for ver, _ in fr],
+                stream,
+                reg.step,
+            )
+        )
+    syncer = SyncerCore(
+        cfg,
+        bp.plan,
+        bp.embedding,
+        [(*store.fragment(p), store.outer_state(p)) for p in range(bp.plan.count)],
+        store.live_registry(),
+    )
+    run = LocalRun(cfg, bp, store, syncer, learners)
+    times = step_times or default_step_times(cfg)
+    next_done: list[float | None] = list(times)  # when learner m completes its next step
+    deliveries: list[tuple[float, int, int, Delivery]] = []  # (time, learner, seq, delivery)
+    seq = 0
+
+    def close_due(now: float) -> None:
+        nonlocal seq
+        while True:
+            due, _ = syncer.ready(now, live_learners=M)
+            if not due:
+                return
+            for p in due:
+                items, grace_used = syncer.take(p, now)
+                outcome = syncer.merge(p, items, grace_used=grace_used)
+                run.events.extend({**r, "time": now} for r in outcome.rejections)
+                if outcome.commit is None:
+                    continue
+                result = store.commit(outcome.commit)
+                if not result.accepted:
+                    raise RuntimeError(f"local commit rejected: {result.reason}")
+                syncer.committed(outcome, sync_time)
+                run.events.append({**outcome.event, "time": now})
+                included = {mp.learner_id: mp.step for mp in outcome.commit.merged}
+                for m in range(M):
+                    d = Delivery(p, result.version, outcome.commit.values, included.get(m))
+                    heapq.heappush(deliveries, (now + sync_time, m, seq, d))
+                    seq += 1
+
+    while True:
+        active = [t for m, t in enumerate(next_done) if t is not None and learners[m].step_count < steps]
+        candidates = active + [deliveries[0][0]] if deliveries else active
+        _, wait = syncer.ready(run.now, live_learners=M)
+        if wait is not None:
+            candidates.append(run.now + wait)
+        if not candidates:
+            break
+        now = run.now = min(candidates)
+        while deliveries and deliveries[0][0] <= now:
+            _, m, _, d = heapq.heappop(deliveries)
+            learners[m].receive(d)
+        close_due(now)
+        for m, core in enumerate(learners):
+            if next_done[m] == now and core.step_count < steps:
+                core.apply_inbox()
+                _, pushes = core.step(step_time=times[m])
+                for push in pushes:
+                    decision = syncer.push(push.meta, push.payload, now)
+                    if not decision.accept:
+                        run.events.append({"event": "rejection", "learner": m, "reason": decision.reason, "time": now})
+                close_due(now)
+                next_done[m] = now + times[m]
+        for m, core in enumerate(learners):  # blocking baselines wait here for their merges
+            while deliveries and deliveries[0][0] <= now:
+                _, mm, _, d = heapq.heappop(deliveries)
+                learners[mm].receive(d)
+            core.apply_inbox()
+            if core.waiting_for():
+                next_done[m] = None
+            elif next_done[m] is None:
+                next_done[m] = now + times[m]
+    return run

@@ -1,0 +1,223 @@
+"""The syncer's algorithm (ALGORITHM.md §5, §6), without any transport.
+
+`SyncerCore` runs one independent round per fragment p: it validates each push (`dloco.policy`),
+keeps the latest valid push per learner, decides when a round closes (quorum K, adaptive grace
+window ξ_grace), and turns the closing round into a `Commit`: decode the payloads, check their
+values, weight them (w_m = c_tok² / c_steps), merge (RDA or mean), apply the outer Nesterov step.
+
+It holds nothing that cannot be rebuilt from the store: Θ_p, s_p and v_p are loaded from it at
+start and replaced by each acknowledged commit; pending pushes and timing EMAs are soft state.
+Every decision comes back with its reason, for the caller to log as an event.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dloco import compress, merge, outer
+from dloco.config import RunConfig
+from dloco.fragments import FragmentPlan
+from dloco.policy import ContributionMeta, Decision, FragmentRound, NormTracker, SyncerTimings, check_meta, check_values
+from dloco.store import Commit, MergedPush
+
+
+@dataclass(frozen=True)
+class MergeOutcome:
+    """A closed round: the commit to send to the store (None if nothing valid) and its event."""
+
+    commit: Commit | None
+    event: dict[str, Any]
+    rejections: list[dict[str, Any]]
+    outer_state: Any = None  # s_p after the outer step (optax state), adopted on acknowledgement
+
+
+class SyncerCore:
+    """Per-fragment rounds over the global state `fragments` = [(v_p, Θ_p, s_p leaves)].
+
+    Args:
+      cfg: the run config.
+      plan: the fragment plan.
+      embedding: tensor names merged by weighted mean.
+      fragments: per fragment (version, values, outer-state leaves) from the store.
+      registry: learner id → current incarnation, from the store.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        plan: FragmentPlan,
+        embedding: frozenset[str],
+        fragments: list[tuple[int, dict[str, np.ndarray], list[np.ndarray]]],
+        registry: Mapping[int, int],
+    ) -> None:
+        self.cfg, self.plan, self.embedding = cfg, plan, embedding
+        self.version = [v for v, _, _ in fragments]
+        self.values = [dict(vals) for _, vals, _ in fragments]
+        self.state = [outer.state_from_numpy(cfg.outer, vals, s) for _, vals, s in fragments]
+        self.registry = dict(registry)
+        self.rounds = [FragmentRound(p, cfg.syncer.quorum) for p in range(plan.count)]
+        self.norms = [NormTracker(warmup=cfg.syncer.norm_warmup) for _ in range(plan.count)]
+        self.timings = SyncerTimings(cfg.syncer.ema_decay)
+        self._outer_step = outer.make_outer_step(cfg.outer)
+
+    def push(self, meta: ContributionMeta, payload: Any, now: float) -> Decision:
+        """Validates a push's metadata and adds it to its fragment's round (`payload` is opaque)."""
+        p = meta.fragment_id
+        if not 0 <= p < self.plan.count:
+            return Decision(False, f"unknown fragment {p}")
+        s = self.cfg.syncer
+        d = check_meta(meta, registry=self.registry, current_version=self.version[p], max_staleness=s.max_staleness)
+        if not d.accept:
+            return d
+        self.timings.observe_step_time(meta.learner_id, meta.step_time)
+        note = self.rounds[p].add(meta, payload, now)
+        return Decision(True, note or "accepted")
+
+    def grace(self) -> float:
+        """ξ_grace = clamp(γ·(τ·ξ_step − ξ_quorum − ξ_sync), 0, ξ_step·max_grace_steps)."""
+        return self.timings.grace(self.cfg.sync.overlap, self.cfg.syncer.grace_factor, self.cfg.syncer.max_grace_steps)
+
+    def slack(self) -> float:
+        """τ·ξ_step − ξ_quorum − ξ_sync: the free time the grace window may use a share γ of."""
+        t = self.timings
+        return self.cfg.sync.overlap * (t.step_time or 0.0) - (t.quorum_time or 0.0) - (t.sync_time or 0.0)
+
+    def ready(self, now: float, live_learners: int | None = None) -> tuple[list[int], float | None]:
+        """Fragments whose round closes now, and the seconds until the next deadline (or None)."""
+        grace, due, wait = self.grace(), [], None
+        for r in self.rounds:
+            d = r.decide(now, grace, live_learners)
+            if d.close:
+                due.append(r.fragment_id)
+            elif d.wait is not None:
+                wait = d.wait if wait is None else min(wait, d.wait)
+        return due, wait
+
+    def take(self, p: int, now: float) -> tuple[list[tuple[ContributionMeta, Any]], float]:
+        """Closes round p: its pending (meta, payload) pairs and the grace time it used.
+
+        Records the round's ξ_quorum sample (first push → K-th push).
+        """
+        r = self.rounds[p]
+        if r.quorum_time is not None:
+            self.timings.observe_quorum_time(r.quorum_time)
+        grace_used = 0.0 if r.quorum_reached_at is None else max(0.0, now - r.quorum_reached_at)
+        return r.take(), grace_used
+
+    def merge(
+        self,
+        p: int,
+        items: list[tuple[ContributionMeta, dict[str, compress.Payload] | None]],
+        *,
+        grace_used: float,
+        lost: Callable[[ContributionMeta], str] | None = None,
+    ) -> MergeOutcome:
+        """Decodes, checks, weights and merges a closed round of fragment p; applies the outer step.
+
+        `items` pairs each pushed meta with its payload, or None if the payload could not be
+        fetched (e.g. lost with its dead owner): such a push is skipped as missing.
+        """
+        rejections, deltas, norms, metas, nbytes_in = [], [], [], [], 0
+        expected = self.plan.fragments[p].shape_map
+        s = self.cfg.syncer
+        for meta, payload in items:
+            reason = None
+            if payload is None:
+                reason = lost(meta) if lost else "payload lost"
+            else:
+                d = check_meta(
+                    meta, registry=self.registry, current_version=self.version[p], max_staleness=s.max_staleness
+                )
+                if d.accept:
+                    try:
+                        delta = {n: compress.decode(x) for n, x in payload.items()}
+                    except Exception as e:  # noqa: BLE001 - any undecodable payload is rejected, never merged
+                        delta, reason = None, f"malformed payload: {e}"
+                    if delta is not None:
+                        tn = merge.tensor_norms(delta)
+                        d = check_values(
+                            expected_shapes=expected,
+                            shapes={n: x.shape for n, x in delta.items()},
+                            sq_norm=float(sum(v * v for v in tn.values())),
+                            norms=self.norms[p],
+                            max_norm_ratio=s.max_norm_ratio,
+                        )
+                if not d.accept:
+                    reason = d.reason
+            if reason is not None:
+                rejections.append(_rejection(meta, reason))
+                continue
+            deltas.append(delta)
+            norms.append(tn)
+            metas.append(meta)
+            nbytes_in += sum(x.nbytes for x in payload.values())
+        if not metas:
+            return MergeOutcome(None, {"event": "round_empty", "fragment": p, "version": self.version[p]}, rejections)
+        if self.cfg.merge.weighting == "tokens":
+            weights = merge.token_weights([m.tokens for m in metas], [m.steps for m in metas])
+        else:
+            weights = np.ones(len(metas))
+        pseudo_grad = merge.merge_fragment(deltas, weights, self.cfg.merge.rule, self.embedding, norms)
+        values, state = self._outer_step(self.values[p], self.state[p], pseudo_grad)
+        for tn in norms:
+            self.norms[p].record(float(np.sqrt(sum(v * v for v in tn.values()))))
+        commit = Commit(
+            fragment_id=p,
+            base_version=self.version[p],
+            values=values,
+            outer_state=outer.state_to_numpy(state),
+            merged=tuple(MergedPush(m.learner_id, m.incarnation, m.step, m.tokens, m.steps, m.cursor) for m in metas),
+            commit_id=uuid.uuid4().hex,
+        )
+        event = {
+            "event": "merge",
+            "fragment": p,
+            "version": commit.version,
+            "contributors": [m.learner_id for m in metas],
+            "steps": [m.step for m in metas],
+            "tokens": [m.tokens for m in metas],
+            "weights": [float(w) for w in np.asarray(weights) / np.sum(weights)],
+            "staleness": [self.version[p] - m.base_version for m in metas],
+            "grace_s": grace_used,
+            "grace_window_s": self.grace(),
+            "slack_s": self.slack(),
+            "bytes_in": nbytes_in,
+            "bytes_out": sum(v.nbytes for v in values.values()),
+            "rejected": len(rejections),
+        }
+        return MergeOutcome(commit, event, rejections, state)
+
+    def committed(self, outcome: MergeOutcome, sync_time: float) -> None:
+        """The store acknowledged `outcome.commit`: adopt Θ_p, s_p, v_p; ξ_sync ← EMA(sync_time)."""
+        c = outcome.commit
+        p = c.fragment_id
+        self.values[p], self.version[p], self.state[p] = c.values, c.version, outcome.outer_state
+        self.timings.observe_sync_time(sync_time)
+
+    def reload(self, p: int, version: int, values: dict[str, np.ndarray], state: list[np.ndarray]) -> None:
+        """Adopt the store's state of fragment p (after a rejected commit or a store restart)."""
+        self.version[p], self.values[p] = version, dict(values)
+        self.state[p] = outer.state_from_numpy(self.cfg.outer, values, state)
+
+    def update_registry(self, registry: Mapping[int, int]) -> None:
+        self.registry = dict(registry)
+        for m in list(self.timings.to_state()["step_time"]):
+            if m[0] not in self.registry:
+                self.timings.forget(m[0])
+
+
+def _rejection(meta: ContributionMeta, reason: str) -> dict[str, Any]:
+    return {
+        "event": "rejection",
+        "fragment": meta.fragment_id,
+        "learner": meta.learner_id,
+        "incarnation": meta.incarnation,
+        "step": meta.step,
+        "base_version": meta.base_version,
+        "reason": reason,
+    }

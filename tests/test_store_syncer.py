@@ -1,0 +1,149 @@
+"""Store durability and the syncer's rounds, in-process (no Ray): values, not call counts."""
+
+import numpy as np
+import pytest
+
+from dloco import compress, config, fragments, merge, outer
+from dloco.policy import ContributionMeta
+from dloco.store import Commit, MergedPush, StoreCore
+from dloco.syncer import SyncerCore
+
+
+def initial():
+    return [{"embed/embedding": np.zeros((2, 2), np.float32)}, {"w": np.ones(3, np.float32)}]
+
+
+def outer_leaves():
+    return [[np.zeros((2, 2), np.float32)], [np.zeros(3, np.float32)]]
+
+
+def commit(p, base, value, learners=(), cid=None):
+    vals = {"embed/embedding": np.full((2, 2), value, np.float32)} if p == 0 else {"w": np.full(3, value, np.float32)}
+    merged = tuple(MergedPush(m, 1, step, 100, 10, {"epoch": 0, "index": step}) for m, step in learners)
+    return Commit(p, base, vals, [np.full_like(next(iter(vals.values())), -value)], merged, cid or f"c{p}-{base}")
+
+
+def test_commit_is_compare_and_set_and_retry_safe(tmp_path):
+    s = StoreCore(tmp_path, initial(), outer_leaves(), snapshot_every=100)
+    assert s.commit(commit(1, 0, 2.0)).accepted
+    again = s.commit(commit(1, 0, 2.0))
+    assert again.accepted and again.reason == "already committed (retry)" and s.versions == [0, 1]
+    stale = s.commit(commit(1, 0, 3.0, cid="other"))
+    assert not stale.accepted and "version conflict: commit from 0, store at 1" in stale.reason
+    np.testing.assert_array_equal(s.fragment(1)[1]["w"], [2.0, 2.0, 2.0])
+
+
+def test_restart_restores_every_committed_version(tmp_path):
+    s = StoreCore(tmp_path, initial(), outer_leaves(), snapshot_every=3, keep=2)
+    s.register(0)
+    s.register(1)
+    for v in range(7):  # snapshots after commits 3 and 6; commit 7 only in the log
+        p = v % 2
+        assert s.commit(commit(p, s.versions[p], float(v + 1), learners=[(0, 10 * (v + 1))])).accepted
+    before = s.versions
+    assert before == [4, 3]
+    r = StoreCore(tmp_path, initial(), outer_leaves(), snapshot_every=3, keep=2)  # "killed" and restarted
+    assert r.versions == before
+    np.testing.assert_array_equal(r.fragment(0)[1]["embed/embedding"], np.full((2, 2), 7.0))
+    np.testing.assert_array_equal(r.outer_state(0)[0], np.full((2, 2), -7.0))
+    assert r.registry == {0: 1, 1: 1}
+    assert r.register(0).incarnation == 2
+    assert len(list(tmp_path.glob("snap-*"))) == 2 and not list(tmp_path.glob("tmp-*"))
+    assert r.tokens_merged() == {0: [400, 300]}
+
+
+def test_merged_cursor_is_the_minimum_over_fragments(tmp_path):
+    s = StoreCore(tmp_path, initial(), outer_leaves())
+    assert s.register(3).cursor is None
+    s.commit(commit(0, 0, 1.0, learners=[(3, 48)]))
+    assert s.merged_cursor(3) == (None, 0)  # fragment 1 never merged a push of learner 3
+    s.commit(commit(1, 0, 1.0, learners=[(3, 24)]))
+    assert s.merged_cursor(3) == ({"epoch": 0, "index": 24}, 24)
+    reg = s.register(3)
+    assert (reg.incarnation, reg.cursor, reg.step) == (2, {"epoch": 0, "index": 24}, 24)
+
+
+def make_syncer(**overrides):
+    cfg = config.load(
+        overrides=(
+            "learners.count=3",
+            "syncer.quorum=2",
+            "compression.dtype=fp32",
+            "outer.lr=1.0",
+            "outer.momentum=0.0",
+            "merge.rule=mean",
+            "syncer.norm_warmup=0",
+            *[f"{k}={v}" for k, v in overrides.items()],
+        )
+    )
+    params = {"embed": {"embedding": np.zeros((2, 2), np.float32)}, "w": np.zeros(4, np.float32)}
+    plan = fragments.partition(params, 2)
+    frs = [(0, f, outer.state_to_numpy(outer.init(cfg.outer, f))) for f in plan.split(params)]
+    return cfg, SyncerCore(cfg, plan, fragments.embedding_names(plan.names), frs, {0: 1, 1: 1, 2: 1})
+
+
+def meta(m, tokens=100, steps=10, base=0, inc=1, step=10):
+    return ContributionMeta(m, inc, 1, base, tokens, steps, step, 0.1, {"epoch": 0, "index": step})
+
+
+def payload(x):
+    """An fp32 payload built directly (encode itself refuses non-finite values)."""
+    x = np.asarray(x, np.float32)
+    return {"w": compress.Payload("fp32", x.shape, x, None, 128)}
+
+
+def test_round_merges_with_token_weights_and_outer_step():
+    _, s = make_syncer()
+    assert s.push(meta(0, tokens=200), payload([1, 0, 0, 0]), now=0.0).accept
+    assert s.ready(0.0) == ([], None)  # waiting for quorum 1/2
+    assert s.push(meta(1, tokens=100), payload([0, 1, 0, 0]), now=1.0).accept
+    due, _ = s.ready(1.0, live_learners=2)
+    assert due == [1]
+    items, _ = s.take(1, 1.0)
+    out = s.merge(1, items, grace_used=0.0)
+    # w = tokens²/steps = 4000 and 1000 → normalized 0.8, 0.2; Θ ← 0 − 1·Δ
+    assert out.event["weights"] == pytest.approx([0.8, 0.2])
+    np.testing.assert_allclose(out.commit.values["w"], [-0.8, -0.2, 0, 0])
+    assert out.commit.version == 1 and [mp.learner_id for mp in out.commit.merged] == [0, 1]
+    s.committed(out, sync_time=0.01)
+    assert s.version[1] == 1
+
+
+def test_bad_contributions_are_rejected_with_reasons_and_never_absorbed():
+    _, s = make_syncer()
+    assert "unknown learner" in s.push(meta(7), payload([1, 1, 1, 1]), now=0).reason
+    assert "future" in s.push(meta(0, base=5), payload([1, 1, 1, 1]), now=0).reason
+    assert s.push(meta(0), payload([np.nan, 0, 0, 0]), now=0).accept  # values are checked at merge
+    assert s.push(meta(1), payload([0, 1, 0, 0]), now=0).accept
+    assert s.push(meta(2), {"w": compress.encode(np.zeros(5, np.float32), "fp32")}, now=0).accept
+    items, _ = s.take(1, 0.0)
+    items.append((meta(0, step=20), None))  # payload lost with its dead owner
+    out = s.merge(1, items, grace_used=0.0, lost=lambda m: "payload lost: owner died")
+    reasons = sorted(r["reason"] for r in out.rejections)
+    assert len(reasons) == 3
+    assert any("non-finite" in r for r in reasons)
+    assert any("shape" in r for r in reasons)
+    assert "payload lost: owner died" in reasons
+    assert out.event["contributors"] == [1]
+    np.testing.assert_allclose(out.commit.values["w"], [0, -1, 0, 0])  # only learner 1's delta
+    assert np.isfinite(out.commit.values["w"]).all()
+
+
+def test_old_incarnation_is_rejected_after_restart():
+    _, s = make_syncer()
+    s.update_registry({0: 2, 1: 1, 2: 1})
+    assert "incarnation" in s.push(meta(0, inc=1), payload([1, 0, 0, 0]), now=0).reason
+
+
+def test_nothing_valid_means_no_commit():
+    _, s = make_syncer()
+    s.push(meta(0), payload([np.inf, 0, 0, 0]), now=0)
+    s.push(meta(1), payload([np.inf, 0, 0, 0]), now=0)
+    items, _ = s.take(1, 0.0)
+    out = s.merge(1, items, grace_used=0.0)
+    assert out.commit is None and len(out.rejections) == 2 and s.version[1] == 0
+
+
+def test_merge_weights_match_hand_computation_for_rda():
+    w = merge.token_weights([300, 150], [10, 10])
+    assert list(w / w.sum()) == pytest.approx([0.8, 0.2])
