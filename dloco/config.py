@@ -344,7 +344,7 @@ class RunConfig:
     preset: str = "tiny"
     algorithm: str = "decoupled"
     seed: int = 0
-    run_dir: str = "runs/latest"
+    run_dir: str = "runs"  # each run writes to {run_dir}/{date-time} unless given one
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
@@ -390,9 +390,15 @@ class RunConfig:
 
 # Presets are overrides on the dataclass defaults. `tiny`: a 0.4M-parameter model that trains in
 # seconds on one CPU core. `small`: a 3.4M-parameter model for quality comparisons.
+#
+# Both presets use outer lr 1, no momentum. Measured (actors.local, 4 learners at step times 1.0,
+# 1.07, 1.13, 1.2, 50 steps each, tiny model): K=1 with the spec's η=0.7, μ=0.9 ends at eval loss
+# 3.19, with η=1, μ=0 at 2.67 (K=M with η=0.7, μ=0.9: 2.81). With K < M a round of H steps is
+# merged in several partial merges, and Nesterov momentum compounds across them.
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {},
+    "tiny": {"outer": {"lr": 1.0, "momentum": 0.0}},
     "small": {
+        "outer": {"lr": 1.0, "momentum": 0.0},
         "model": {"d_model": 256, "n_layers": 4, "n_heads": 4},
         "inner": {"lr": 2e-3, "warmup_steps": 50, "total_steps": 2000, "batch_size": 8},
         "data": {"seq_len": 128},

@@ -1,0 +1,334 @@
+"""Builds a run from one `RunConfig` on a Ray cluster and supervises it: `start(config) -> RunHandle`.
+
+The store, the syncer and one learner per id are named actors in the run's namespace, each with
+``max_restarts=-1`` and ``max_task_retries=-1`` (every method is safe to retry: commits are
+compare-and-set, registration hands out a new incarnation, `run` resumes from the store). Learners
+take their group's resources (``num_cpus``, ``num_gpus``, custom resources such as a region
+label). A supervisor thread in the driver drains the actors' events into ``metrics.jsonl``,
+evaluates the global model every `metrics.eval_every_s`, and stops the run at its token or time
+budget; ``summary.json`` is written at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from actors.learner import Learner
+from actors.store import FragmentStore
+from actors.syncer import Syncer
+from dloco import build, inner, metrics
+from dloco.config import RunConfig
+
+
+def _worker_env(cfg: RunConfig, gpu: bool) -> dict[str, str]:
+    n = cfg.learners.xla_threads
+    env = {
+        "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen={'true' if n > 1 else 'false'} intra_op_parallelism_threads={n}",
+        "OMP_NUM_THREADS": str(n),
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        # JAX's persistent compilation cache: a restarted learner recompiles from disk, not scratch.
+        "JAX_COMPILATION_CACHE_DIR": str(Path("~/.cache/dloco/jax").expanduser()),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    if not gpu:
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def connect(address: str | None, num_cpus: int | None = None) -> bool:
+    """Connects to Ray; returns True if this call started a local cluster (which `stop` shuts down).
+
+    `address` None: a cluster named by RAY_ADDRESS (e.g. inside ``ray job submit``), else a new
+    local one listening on 127.0.0.1 only.
+    """
+    if ray.is_initialized():
+        return False
+    quiet = {"log_to_driver": False, "logging_level": "ERROR"}
+    if address or os.environ.get("RAY_ADDRESS"):
+        try:
+            ray.init(address=address or None, **quiet)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ConnectionError(
+                f"cannot reach the Ray cluster at {address or os.environ['RAY_ADDRESS']}: {e}"
+            ) from None
+        return False
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        object_store_memory=512 * 1024**2,
+        _node_ip_address="127.0.0.1",
+        **quiet,
+    )
+    return True
+
+
+class RunHandle:
+    """A running (or finished) run: watch it, change it, stop it. See `start`."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, owns_ray: bool, progress=None) -> None:
+        self.cfg, self.run_dir, self.owns_ray, self.progress = cfg, run_dir, owns_ray, progress
+        self.namespace = f"dloco-{uuid.uuid4().hex[:8]}"
+        self.names = {"store": "store", "syncer": "syncer"}
+        self.cfg_dict = cfg.to_dict()
+        self.started = time.time()
+        self.events: list[dict[str, Any]] = []
+        self.learners: dict[int, Any] = {}
+        self.runs: dict[int, ray.ObjectRef] = {}
+        self.status_by: dict[int, dict] = {}
+        self.trained: dict[tuple[int, int], int] = {}  # (learner, incarnation) → tokens trained
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._stop_requested = threading.Event()
+        self._metrics_file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in stop()
+        bp = build.blueprint(cfg)
+        self._bp, self._mesh = bp, inner.make_mesh()
+        self._eval = inner.make_eval_step(bp.model, self._mesh)
+        self._eval_set = build.eval_set(cfg, bp.corpus)
+        self.summary: dict[str, Any] | None = None
+
+        opts = {
+            "namespace": self.namespace,
+            "max_restarts": -1,
+            "max_task_retries": -1,
+            "num_cpus": 0,
+            "runtime_env": {"env_vars": _worker_env(cfg, gpu=False)},
+        }
+        self.store = ray.remote(FragmentStore).options(name="store", **opts).remote(self.cfg_dict, str(run_dir))
+        ray.get(self.store.ping.remote())
+        self.syncer = ray.remote(Syncer).options(name="syncer", **opts).remote(self.cfg_dict, "store", self.namespace)
+        ray.get(self.syncer.ping.remote())
+        self.eval_loss_start = self.evaluate()
+        self._record({"event": "eval", "time": time.time(), "loss": self.eval_loss_start, "tokens": 0})
+        for m in range(cfg.learners.count):
+            self._spawn(m)
+        self._thread = threading.Thread(target=self._supervise, name="dloco-supervisor", daemon=True)
+        self._thread.start()
+
+    # ---- learners ----------------------------------------------------------------------------
+    def _spawn(self, m: int) -> None:
+        groups = self.cfg.learners.expand()
+        g = groups[min(m, len(groups) - 1)]
+        actor = (
+            ray.remote(Learner)
+            .options(
+                name=f"learner-{m}",
+                namespace=self.namespace,
+                max_restarts=-1,
+                max_task_retries=-1,
+                max_concurrency=4,
+                num_cpus=g.num_cpus,
+                num_gpus=g.num_gpus,
+                resources=dict(g.resources) or None,
+                runtime_env={"env_vars": _worker_env(self.cfg, gpu=g.num_gpus > 0)},
+            )
+            .remote(self.cfg_dict, m, "store", "syncer", self.namespace)
+        )
+        self.learners[m] = actor
+        self.runs[m] = actor.run.remote()
+
+    def kill_learner(self, m: int) -> None:
+        """Kills learner m's process (as a preemption would); Ray restarts it and it rejoins."""
+        self._record({"event": "kill", "time": time.time(), "target": f"learner-{m}"})
+        ray.kill(self.learners[m], no_restart=False)
+
+    def kill_store(self) -> None:
+        self._record({"event": "kill", "time": time.time(), "target": "store"})
+        ray.kill(self.store, no_restart=False)
+
+    def kill_syncer(self) -> None:
+        self._record({"event": "kill", "time": time.time(), "target": "syncer"})
+        ray.kill(self.syncer, no_restart=False)
+
+    def add_learners(self, n: int) -> list[int]:
+        """Starts `n` more learners with new ids (each reads its own data shard)."""
+        first = max(self.learners) + 1 if self.learners else 0
+        if first + n > self.cfg.data.shards:
+            raise ValueError(f"data.shards={self.cfg.data.shards} allows learner ids below it; raise data.shards")
+        for m in range(first, first + n):
+            self._spawn(m)
+        return list(range(first, first + n))
+
+    def remove_learner(self, m: int, timeout: float = 60.0) -> None:
+        """Stops learner m for good: it finishes its step, leaves the registry and exits."""
+        actor = self.learners.pop(m)
+        ray.get(actor.stop.remote(), timeout=timeout)
+        ray.wait([self.runs.pop(m)], timeout=timeout)
+        ray.get(self.store.retire.remote(m), timeout=timeout)
+        ray.kill(actor, no_restart=True)
+
+    # ---- watching ----------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        """Validation loss of the current global model (fragments fetched from the store)."""
+        _, frs = ray.get(self.store.fragments.remote())
+        params = inner.replicate(self._bp.plan.join(frs), self._mesh)
+        return inner.evaluate(self._eval, params, self._eval_set, self._mesh)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            learners = dict(self.status_by)
+            merges = sum(e["event"] == "merge" for e in self.events)
+            rejected = sum(e["event"] == "rejection" for e in self.events)
+            evals = [e for e in self.events if e["event"] == "eval"]
+        return {
+            "elapsed_s": time.time() - self.started,
+            "tokens_trained": self.tokens_trained(),
+            "budget_tokens": self.cfg.budget.tokens,
+            "merges": merges,
+            "rejected": rejected,
+            "eval_loss": evals[-1]["loss"] if evals else None,
+            "learners": learners,
+            "done": self._done.is_set(),
+        }
+
+    def metrics(self, event: str | None = None) -> list[dict[str, Any]]:
+        """All events so far (or those of one kind: merge, eval, rejection, learner_restart, ...)."""
+        with self._lock:
+            return [dict(e) for e in self.events if event is None or e["event"] == event]
+
+    def tokens_trained(self) -> int:
+        return sum(self.trained.values())
+
+    def _record(self, e: dict[str, Any]) -> None:
+        e = {**e, "t": e.get("time", time.time()) - self.started}
+        with self._lock:
+            self.events.append(e)
+            self._metrics_file.write(json.dumps(e, default=str) + "\n")
+            self._metrics_file.flush()
+
+    def _poll_actors(self) -> None:
+        for actor in (self.store, self.syncer):
+            ref = actor.drain_events.remote()
+            ready, _ = ray.wait([ref], timeout=2.0)
+            if ready:
+                try:
+                    for e in ray.get(ref):
+                        self._record(e)
+                except ray.exceptions.RayError:
+                    pass  # restarting: its events since the last drain are lost with it
+        refs = {m: a.status.remote() for m, a in list(self.learners.items())}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=2.0)
+        for m, ref in refs.items():
+            if ref in ready:
+                try:
+                    s = ray.get(ref)
+                except ray.exceptions.RayError:
+                    continue
+                with self._lock:
+                    self.status_by[m] = s
+                    key = (m, s["incarnation"])
+                    self.trained[key] = max(self.trained.get(key, 0), s["tokens_this_incarnation"])
+
+    def _supervise(self) -> None:
+        b, last_eval = self.cfg.budget, time.time()
+        try:
+            while not self._stop_requested.is_set():
+                time.sleep(0.5)
+                self._poll_actors()
+                if time.time() - last_eval >= self.cfg.metrics.eval_every_s:
+                    self._record(
+                        {"event": "eval", "time": time.time(), "loss": self.evaluate(), "tokens": self.tokens_trained()}
+                    )
+                    last_eval = time.time()
+                if self.progress:
+                    self.progress(self.status())
+                elapsed = time.time() - self.started
+                if (b.tokens and self.tokens_trained() >= b.tokens) or (b.seconds and elapsed >= b.seconds):
+                    break
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        for a in self.learners.values():
+            a.stop.remote()
+        ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=60)
+        self._poll_actors()
+        time.sleep(0.5)  # let in-flight rounds commit
+        self._poll_actors()
+        end_loss = self.evaluate()
+        end = time.time()
+        self._record({"event": "eval", "time": end, "loss": end_loss, "tokens": self.tokens_trained()})
+        store = ray.get(self.store.summary.remote())
+        events = self.metrics()
+        merged = metrics.tokens_merged(store["tokens_merged"])
+        trained = self.tokens_trained()
+        statuses = list(self.status_by.values())
+        self.summary = {
+            "eval_loss_start": self.eval_loss_start,
+            "eval_loss_end": end_loss,
+            "tokens_trained": trained,
+            "tokens_merged": merged,
+            "goodput": merged / trained if trained else 0.0,
+            "uptime": metrics.uptime(
+                metrics.commit_times(events), self.started, end, self.cfg.metrics.stall_threshold_s
+            ),
+            "merges": sum(e["event"] == "merge" for e in events),
+            "rejected": sum(e["event"] == "rejection" for e in events),
+            "learners": len(self.learners),
+            "restarts": sum(e["event"] == "learner_restart" for e in events),
+            "bytes_up": sum(s["bytes_out"] for s in statuses),
+            "bytes_down": sum(s["bytes_in"] for s in statuses),
+            "versions": store["versions"],
+            "wall_time_s": end - self.started,
+            "run_dir": str(self.run_dir),
+            "config": self.cfg_dict,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2, default=str))
+        self._done.set()
+
+    # ---- ending ------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """Blocks until the run ends at its budget (or `timeout`); returns the summary."""
+        self._done.wait(timeout)
+        return self.summary
+
+    def stop(self) -> dict[str, Any] | None:
+        """Ends the run now: final evaluation, summary.json, actors removed, local Ray stopped."""
+        self._stop_requested.set()
+        self._thread.join()
+        for a in [*self.learners.values(), self.syncer, self.store]:
+            ray.kill(a, no_restart=True)
+        self._metrics_file.close()
+        if self.owns_ray:
+            ray.shutdown()
+        return self.summary
+
+
+def start(
+    cfg: RunConfig,
+    address: str | None = None,
+    run_dir: str | os.PathLike | None = None,
+    progress=None,
+    resume: bool = False,
+) -> RunHandle:
+    """Starts the run described by `cfg` on Ray (a new local cluster unless `address`/RAY_ADDRESS).
+
+    `run_dir` defaults to ``{cfg.run_dir}/{date-time}``. A directory that already holds a run is
+    continued only with `resume` (the store restores its snapshot and log). Returns at once with a
+    `RunHandle`; the run stops by itself at its budget.
+    """
+    run_dir = Path(run_dir or Path(cfg.run_dir) / time.strftime("%Y%m%d-%H%M%S"))
+    if (run_dir / "store").exists() and not resume:
+        raise FileExistsError(
+            f"run dir {run_dir} already holds a run: pass --resume to continue it, or another --run-dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    build.corpus(cfg)  # prepare (and cache) the data once, before any actor starts
+    needed = int(sum(g.num_cpus for g in cfg.learners.expand())) + 1
+    owns = connect(address, num_cpus=max(needed, os.cpu_count() or 1))
+    try:
+        return RunHandle(cfg, run_dir, owns, progress)
+    except BaseException:
+        if owns:
+            ray.shutdown()
+        raise

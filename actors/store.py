@@ -1,0 +1,104 @@
+"""`FragmentStore`: the Ray actor around `dloco.store.StoreCore` (ALGORITHM.md §1, §8).
+
+A plain class; `actors.launch` wraps it with ``ray.remote(max_restarts=-1, max_task_retries=-1)``.
+On (re)start it rebuilds itself from its constructor arguments and its run directory: the newest
+snapshot plus the commit log. Published fragments are put into Ray's object store by this actor,
+so they outlive any learner or syncer; after a store restart they are put again on demand.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import ray
+
+from dloco import build
+from dloco.config import RunConfig, from_dict
+from dloco.store import Commit, CommitResult, Registration, StoreCore
+
+
+class FragmentStore:
+    def __init__(self, cfg: dict, run_dir: str) -> None:
+        self.cfg: RunConfig = from_dict(cfg)
+        bp = build.blueprint(self.cfg)
+        self.core = StoreCore(
+            Path(run_dir) / "store",
+            list(bp.initial),
+            build.initial_outer(self.cfg, bp),
+            self.cfg.store.snapshot_every,
+            self.cfg.store.keep,
+        )
+        self._published: dict[int, tuple[int, ray.ObjectRef, dict[int, int]]] = {}
+        self._events: list[dict] = [
+            {
+                "event": "store_start",
+                "time": time.time(),
+                "versions": self.core.versions,
+                "restored_from": self.core.restored_from,
+            }
+        ]
+
+    def register(self, learner_id: int) -> Registration:
+        reg = self.core.register(learner_id)
+        kind = "learner_start" if reg.incarnation == 1 else "learner_restart"
+        self._events.append(
+            {
+                "event": kind,
+                "time": time.time(),
+                "learner": learner_id,
+                "incarnation": reg.incarnation,
+                "cursor": reg.cursor,
+                "step": reg.step,
+            }
+        )
+        return reg
+
+    def retire(self, learner_id: int) -> None:
+        self.core.retire(learner_id)
+        self._events.append({"event": "learner_stop", "time": time.time(), "learner": learner_id})
+
+    def registry(self) -> dict[int, int]:
+        return self.core.live_registry()
+
+    def fragments(self) -> tuple[list[int], list[dict]]:
+        """All current fragments (versions, values), e.g. for a (re)starting learner or evaluation."""
+        return self.core.versions, [self.core.fragment(p)[1] for p in range(len(self.core.versions))]
+
+    def fragment(self, p: int) -> tuple[int, dict]:
+        return self.core.fragment(p)
+
+    def syncer_state(self) -> tuple[list[tuple[int, dict, list]], dict[int, int]]:
+        """What a (re)starting syncer needs: (v_p, Θ_p, s_p) per fragment, and the registry."""
+        frs = [(*self.core.fragment(p), self.core.outer_state(p)) for p in range(len(self.core.versions))]
+        return frs, self.core.live_registry()
+
+    def commit(self, c: Commit) -> CommitResult:
+        result = self.core.commit(c)
+        if result.accepted:
+            included = {mp.learner_id: mp.step for mp in c.merged}
+            self._published[c.fragment_id] = (result.version, ray.put(c.values), included)
+        return result
+
+    def updates(self, known: list[int]) -> list[tuple[int, int, list[ray.ObjectRef], dict[int, int]]]:
+        """Fragments newer than `known` versions: (p, version, [values ref], included learner steps)."""
+        out = []
+        for p, v in enumerate(self.core.versions):
+            if v > known[p]:
+                pub = self._published.get(p)
+                if pub is None or pub[0] != v:  # restarted store: publish the restored fragment again
+                    ledger = self.core.last_merged(p)
+                    pub = (v, ray.put(self.core.fragment(p)[1]), {m: e["step"] for m, e in ledger.items()})
+                    self._published[p] = pub
+                out.append((p, pub[0], [pub[1]], pub[2]))
+        return out
+
+    def summary(self) -> dict:
+        return self.core.summary()
+
+    def drain_events(self) -> list[dict]:
+        events, self._events = self._events, []
+        return events
+
+    def ping(self) -> bool:
+        return True
