@@ -7,7 +7,7 @@ from dloco.config import ConfigError
 
 
 def test_defaults_match_the_spec():
-    c = config.load()
+    c = config.RunConfig()
     assert (c.learners.count, c.fragments.count, c.sync.every, c.sync.overlap) == (4, 4, 24, 2)
     assert (c.syncer.quorum, c.syncer.grace_factor, c.syncer.max_grace_steps) == (1, 0.5, 1.0)
     assert (c.outer.lr, c.outer.momentum, c.outer.nesterov) == (0.7, 0.9, True)
@@ -15,6 +15,13 @@ def test_defaults_match_the_spec():
     assert (c.inner.weight_decay, c.inner.b2, c.inner.grad_clip) == (0.1, 0.95, 1.0)
     assert (c.merge.rule, c.merge.weighting) == ("rda", "tokens")
     assert c.preset == "tiny" and c.data.source == "stdlib"
+
+
+def test_presets_use_plain_outer_averaging():
+    for preset in ("tiny", "small"):
+        c = config.load(overrides=(f"preset={preset}",))
+        assert (c.outer.lr, c.outer.momentum) == (1.0, 0.0)
+    assert config.load(overrides=("outer.momentum=0.9",)).outer.momentum == 0.9
 
 
 def test_overrides_and_types():
