@@ -61,6 +61,9 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
                 f"cannot reach the Ray cluster at {address or os.environ['RAY_ADDRESS']}: {e}"
             ) from None
         return False
+    # Ray binds its servers to all interfaces unless told it is a single-machine cluster: this keeps
+    # every server of the local cluster on 127.0.0.1 (checked with `ss -ltn`).
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray.init(
         address="local",
         num_cpus=num_cpus,
@@ -86,6 +89,7 @@ class RunHandle:
         self.runs: dict[int, ray.ObjectRef] = {}
         self.status_by: dict[int, dict] = {}
         self.trained: dict[tuple[int, int], int] = {}  # (learner, incarnation) → tokens trained
+        self._drains: dict[str, ray.ObjectRef | None] = {}
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._stop_requested = threading.Event()
@@ -134,7 +138,7 @@ class RunHandle:
             .remote(self.cfg_dict, m, "store", "syncer", self.namespace)
         )
         self.learners[m] = actor
-        self.runs[m] = actor.run.remote()
+        self.runs[m] = actor.run.remote(self.cfg.budget.steps or None)
 
     def kill_learner(self, m: int) -> None:
         """Kills learner m's process (as a preemption would); Ray restarts it and it rejoins."""
@@ -206,15 +210,18 @@ class RunHandle:
             self._metrics_file.flush()
 
     def _poll_actors(self) -> None:
-        for actor in (self.store, self.syncer):
-            ref = actor.drain_events.remote()
+        # A drain call is kept until it answers (a restarting actor answers late): dropping it
+        # would drop the events it returns.
+        for name, actor in (("store", self.store), ("syncer", self.syncer)):
+            ref = self._drains.get(name) or actor.drain_events.remote()
             ready, _ = ray.wait([ref], timeout=2.0)
+            self._drains[name] = None if ready else ref
             if ready:
                 try:
                     for e in ray.get(ref):
                         self._record(e)
                 except ray.exceptions.RayError:
-                    pass  # restarting: its events since the last drain are lost with it
+                    pass  # it died: its events since the last drain died with it
         refs = {m: a.status.remote() for m, a in list(self.learners.items())}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=2.0)
         for m, ref in refs.items():
@@ -244,6 +251,12 @@ class RunHandle:
                 elapsed = time.time() - self.started
                 if (b.tokens and self.tokens_trained() >= b.tokens) or (b.seconds and elapsed >= b.seconds):
                     break
+                if (
+                    b.steps
+                    and self.runs
+                    and not ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=0)[1]
+                ):
+                    break  # every learner reached budget.steps
         finally:
             self._finish()
 
@@ -278,6 +291,7 @@ class RunHandle:
             "bytes_up": sum(s["bytes_out"] for s in statuses),
             "bytes_down": sum(s["bytes_in"] for s in statuses),
             "versions": store["versions"],
+            "placement": {m: s.get("node") for m, s in sorted(self.status_by.items())},
             "wall_time_s": end - self.started,
             "run_dir": str(self.run_dir),
             "config": self.cfg_dict,

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from dloco import build, inner
 from dloco.config import RunConfig
 from dloco.data import Cursor
@@ -56,8 +58,9 @@ def run_local(
     steps: int,
     step_times: list[float] | None = None,
     sync_time: float = 0.0,
+    devices: int | None = None,
 ) -> LocalRun:
-    """Runs M learners for `steps` inner steps each (blocking baselines may take longer)."""
+    """Runs M learners for `steps` inner steps each; each learner uses the first `devices` devices."""
     bp = build.blueprint(cfg)
     store = StoreCore(
         Path(run_dir) / "store",
@@ -68,7 +71,7 @@ def run_local(
     )
     M = cfg.learners.count
     tokens = bp.corpus.load_split("train")
-    mesh = inner.make_mesh()
+    mesh = inner.make_mesh(jax.devices()[:devices] if devices else None)
     learners = []
     for m in range(M):
         reg = store.register(m)

@@ -31,7 +31,7 @@ class Syncer:
         bp = build.blueprint(self.cfg)
         frs, registry = ray.get(self.store.syncer_state.remote())
         self.core = SyncerCore(self.cfg, bp.plan, bp.embedding, frs, registry)
-        self._events: list[dict] = [{"event": "syncer_start", "time": time.time(), "versions": self.core.version}]
+        self._events: list[dict] = [{"event": "syncer_start", "time": time.time(), "versions": list(self.core.version)}]
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 

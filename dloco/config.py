@@ -321,16 +321,24 @@ class ChaosConfig:
 
 @dataclass(frozen=True)
 class BudgetConfig:
-    """When a run stops: whichever of the total-token or wall-time budget is hit first (0: none)."""
+    """When a run stops: whichever of the total-token or wall-time budget is hit first (0: none).
+
+    `steps` caps each learner's local steps (0: none); a run whose learners all reached it ends.
+    """
 
     tokens: int = 400_000
     seconds: float = 0.0
+    steps: int = 0
 
     def __post_init__(self) -> None:
         _check(self.tokens >= 0, "budget.tokens", self.tokens, "must be >= 0 (0: no token budget)")
         _check(self.seconds >= 0, "budget.seconds", self.seconds, "must be >= 0 (0: no time budget)")
+        _check(self.steps >= 0, "budget.steps", self.steps, "must be >= 0 (0: no step cap)")
         _check(
-            self.tokens > 0 or self.seconds > 0, "budget.tokens", self.tokens, "set budget.tokens or budget.seconds > 0"
+            self.tokens > 0 or self.seconds > 0 or self.steps > 0,
+            "budget.tokens",
+            self.tokens,
+            "set budget.tokens, budget.seconds or budget.steps > 0",
         )
 
 

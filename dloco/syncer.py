@@ -179,6 +179,7 @@ class SyncerCore:
             "fragment": p,
             "version": commit.version,
             "contributors": [m.learner_id for m in metas],
+            "incarnations": [m.incarnation for m in metas],
             "steps": [m.step for m in metas],
             "tokens": [m.tokens for m in metas],
             "weights": [float(w) for w in np.asarray(weights) / np.sum(weights)],

@@ -64,7 +64,7 @@ def test_replace_revalidates():
         (("algorithm=sgd",), r"algorithm='sgd' is invalid"),
         (("syncer.quorum=0",), r"syncer.quorum=0 is invalid: must be > 0"),
         (("inner.warmup_steps=400",), r"inner.warmup_steps=400 is invalid: must be < inner.total_steps=400"),
-        (("budget.tokens=0",), r"budget.tokens=0 is invalid: set budget.tokens or budget.seconds > 0"),
+        (("budget.tokens=0",), r"budget.tokens=0 is invalid: set budget.tokens, budget.seconds or budget.steps > 0"),
         (("sync.every",), r"override='sync.every' is invalid: use dotted KEY=VALUE"),
     ],
 )
