@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 import uuid
@@ -44,6 +45,20 @@ def _worker_env(cfg: RunConfig, gpu: bool) -> dict[str, str]:
     return env
 
 
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fails fast with one line if a ``host:port`` GCS address does not answer (Ray would retry for minutes)."""
+    if address == "auto" or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if host in ("127.0.0.1", "localhost"):
+        # a single-machine cluster: keep Ray from rewriting loopback to the host's interface address
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as e:
+        raise ConnectionError(f"cannot reach the Ray cluster at {address}: {e}") from None
+
+
 def connect(address: str | None, num_cpus: int | None = None) -> bool:
     """Connects to Ray; returns True if this call started a local cluster (which `stop` shuts down).
 
@@ -54,6 +69,8 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
         return False
     quiet = {"log_to_driver": False, "logging_level": "ERROR"}
     if address or os.environ.get("RAY_ADDRESS"):
+        target = address or os.environ["RAY_ADDRESS"]
+        _check_reachable(target)
         try:
             ray.init(address=address or None, **quiet)
         except (ConnectionError, RuntimeError, ValueError) as e:

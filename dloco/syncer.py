@@ -182,6 +182,7 @@ class SyncerCore:
             "incarnations": [m.incarnation for m in metas],
             "steps": [m.step for m in metas],
             "tokens": [m.tokens for m in metas],
+            "inner_steps": [m.steps for m in metas],
             "weights": [float(w) for w in np.asarray(weights) / np.sum(weights)],
             "staleness": [self.version[p] - m.base_version for m in metas],
             "grace_s": grace_used,

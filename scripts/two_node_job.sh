@@ -1,0 +1,256 @@
+#!/usr/bin/env bash
+# A real two-node Ray cluster on one machine, a `ray job submit` of `dloco train` across two
+# "regions", and a check of where the learners ran.
+#
+#   bash scripts/two_node_job.sh          (as root; exit 0 ok, 77 skipped, anything else failed)
+#
+# Design (why namespaces): Ray rewrites a node IP of 127.0.0.1 to the host's interface address
+# unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, and with that setting `ray start --address` refuses
+# to join. So each node gets its own Linux network namespace, joined by one veth pair whose two
+# ends carry a private /30 that exists nowhere else:
+#
+#     netns dl2n-h-PID  [veth h0: 10.231.7.1/30] <====> [veth w0: 10.231.7.2/30]  netns dl2n-w-PID
+#     Ray head:   GCS 10.231.7.1:6391, dashboard/job server 10.231.7.1:8271,
+#                 node manager :6392, object manager :6393, custom resource {"region_a": 2}
+#     Ray worker: node 10.231.7.2, node manager :6394, object manager :6395, {"region_b": 2}
+#
+# Neither namespace has the host's interface or a default route, so no Ray process can reach,
+# advertise or be rewritten to the host's address; servers that bind 0.0.0.0 bind inside their
+# namespace only. The veth ends are created directly inside the namespaces (nothing is added to
+# the root namespace), and ports live per namespace, so the cluster cannot clash with another Ray
+# session on this machine (e.g. a test suite's local cluster) or with a concurrent run of this
+# script. `ray job submit` runs inside the head's namespace; the job's driver (`dloco train`)
+# runs on the head and attaches through the RAY_ADDRESS the job server gives it.
+#
+# Auth: every Ray command runs with RAY_AUTH_MODE=disabled (the same on both nodes, as Ray 2.60
+# requires). Real clusters use token auth: RAY_AUTH_MODE=token on every node and every command,
+# with the cluster's token distributed to each node.
+#
+# Cleanup: `ray stop --force` is NOT used: it kills every Ray process on the machine (it matches
+# process names), including other Ray sessions. Instead every process inside this script's two
+# namespaces (`ip netns pids`) is terminated, then killed, then the namespaces are deleted (which
+# removes the veth pair) and the temp dir is removed. This runs on EXIT, INT and TERM, is
+# idempotent, and at start-up namespaces left by a run whose PID is gone are cleaned as well.
+#
+# Env: PYTHON (default: `python` on PATH; the venv with ray and dloco), TWO_NODE_JOB_TIMEOUT
+# (seconds for the job, default 360), TWO_NODE_JOB_KEEP=1 (keep the temp dir: Ray logs, job log,
+# run dir; processes and namespaces are removed all the same).
+set -uo pipefail
+
+log() { printf 'two_node_job: %s\n' "$*"; }
+skip() { log "SKIP: $*"; exit 77; }
+die() { log "FAIL: $*"; exit 1; }
+
+START_S=$SECONDS
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CONFIG_REL=cluster_configs/two_regions.yaml
+PY=${PYTHON:-$(command -v python || command -v python3 || true)}
+[ -n "$PY" ] && [ -x "$PY" ] || die "no python found (put the venv's bin first on PATH or set PYTHON)"
+PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # absolute: the job's entrypoint runs elsewhere
+RAY="$(dirname "$PY")/ray"
+[ -x "$RAY" ] || RAY=$(command -v ray || true)
+[ -n "$RAY" ] || die "no ray CLI next to $PY or on PATH"
+[ -f "$REPO/$CONFIG_REL" ] || die "missing $REPO/$CONFIG_REL"
+
+HEAD_IP=10.231.7.1
+WORKER_IP=10.231.7.2
+GCS_PORT=6391
+DASH_PORT=8271
+HEAD_NM_PORT=6392
+HEAD_OM_PORT=6393
+CLIENT_PORT=6396
+WORKER_NM_PORT=6394
+WORKER_OM_PORT=6395
+JOB_TIMEOUT=${TWO_NODE_JOB_TIMEOUT:-360}
+NS_H=dl2n-h-$$
+NS_W=dl2n-w-$$
+WORK=""
+CHILD=""
+CLEANED=""
+
+# ---- privileges ---------------------------------------------------------------------------------
+[ "$(id -u)" = 0 ] || skip "needs root for network namespaces (ip netns); not root"
+command -v ip >/dev/null 2>&1 || skip "needs the 'ip' command (iproute2) for network namespaces"
+
+# ---- cleanup ------------------------------------------------------------------------------------
+ns_exists() { [ -e "/run/netns/$1" ]; }
+
+kill_ns() {  # every process inside namespace $1: TERM, then KILL
+  local ns=$1 pids i
+  ns_exists "$ns" || return 0
+  pids=$(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ')
+  [ -n "${pids// /}" ] || return 0
+  kill -TERM $pids 2>/dev/null
+  for i in $(seq 1 50); do
+    pids=$(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ')
+    [ -n "${pids// /}" ] || return 0
+    sleep 0.1
+  done
+  kill -KILL $pids 2>/dev/null
+  for i in $(seq 1 50); do
+    pids=$(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ')
+    [ -n "${pids// /}" ] || return 0
+    sleep 0.1
+  done
+  log "warning: processes still in $ns after SIGKILL: $pids"
+}
+
+drop_ns() { kill_ns "$1"; ns_exists "$1" && ip netns del "$1" 2>/dev/null; return 0; }
+
+cleanup() {
+  [ -n "$CLEANED" ] && return 0
+  CLEANED=1
+  trap '' INT TERM  # finish cleaning even if interrupted again
+  [ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null
+  drop_ns "$NS_W"
+  drop_ns "$NS_H"
+  if [ -n "$WORK" ]; then
+    if [ -n "${TWO_NODE_JOB_KEEP:-}" ]; then log "kept $WORK (logs, run dir)"; else rm -rf "$WORK"; fi
+  fi
+  return 0
+}
+trap 'cleanup' EXIT
+trap 'log "interrupted"; cleanup; exit 130' INT
+trap 'log "terminated"; cleanup; exit 143' TERM
+
+# Namespaces of earlier runs that were killed outright (SIGKILL skips traps): their PID is gone.
+for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^dl2n-[hw]-[0-9]+$'); do
+  kill -0 "${ns##*-}" 2>/dev/null || { log "removing stale namespace $ns"; drop_ns "$ns"; }
+done
+
+# Runs a command in the background and waits for it, so INT/TERM reach the trap at once.
+run_waiting() {
+  "$@" &
+  CHILD=$!
+  wait "$CHILD"
+  local rc=$?
+  CHILD=""
+  return $rc
+}
+
+# ---- network: two namespaces and a veth pair ----------------------------------------------------
+ip netns add "$NS_H" 2>/dev/null || skip "cannot create network namespaces (ip netns add failed: no privilege?)"
+ip netns add "$NS_W" 2>/dev/null || skip "cannot create a second network namespace"
+ip link add h0 netns "$NS_H" type veth peer name w0 netns "$NS_W" 2>/dev/null ||
+  skip "cannot create a veth pair between namespaces (no veth support?)"
+ip -n "$NS_H" link set lo up && ip -n "$NS_W" link set lo up &&
+  ip -n "$NS_H" addr add "$HEAD_IP/30" dev h0 && ip -n "$NS_W" addr add "$WORKER_IP/30" dev w0 &&
+  ip -n "$NS_H" link set h0 up && ip -n "$NS_W" link set w0 up || die "cannot configure the veth pair"
+log "network: $NS_H h0 $HEAD_IP/30 <-> $NS_W w0 $WORKER_IP/30"
+
+WORK=$(mktemp -d /tmp/dl2n-XXXXXX)  # short: Ray's unix socket paths live under it
+RUN_DIR=$WORK/run
+mkdir -p "$WORK/h" "$WORK/w"
+
+# Every Ray command: the same auth mode, no usage stats, no RAY_ADDRESS of the caller. Cluster mode
+# stays on (=1): inside the namespaces the only non-loopback address is the veth one.
+RAY_ENV=(env -u RAY_ADDRESS RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+  RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3)
+IN_H=(ip netns exec "$NS_H" "${RAY_ENV[@]}")
+IN_W=(ip netns exec "$NS_W" "${RAY_ENV[@]}")
+
+diagnose() {
+  local d f
+  for d in "$WORK/h" "$WORK/w"; do
+    for f in "$d"/session_latest/logs/{gcs_server.err,raylet.err,raylet.out,dashboard.err}; do
+      [ -s "$f" ] && { echo "---- tail $f"; tail -n 15 "$f"; }
+    done
+  done
+  [ -s "$WORK/job.log" ] && { echo "---- tail job log"; tail -n 40 "$WORK/job.log"; }
+  return 0
+}
+
+# ---- Ray head and worker ------------------------------------------------------------------------
+log "starting Ray head on $HEAD_IP (GCS :$GCS_PORT, job server :$DASH_PORT)"
+run_waiting timeout 120 "${IN_H[@]}" \
+  "$RAY" start --head --node-ip-address="$HEAD_IP" --port="$GCS_PORT" \
+  --node-manager-port="$HEAD_NM_PORT" --object-manager-port="$HEAD_OM_PORT" \
+  --ray-client-server-port="$CLIENT_PORT" \
+  --include-dashboard=true --dashboard-host="$HEAD_IP" --dashboard-port="$DASH_PORT" \
+  --num-cpus=1 --resources='{"region_a": 2}' --object-store-memory=268435456 \
+  --temp-dir="$WORK/h" --disable-usage-stats >"$WORK/head.log" 2>&1 ||
+  { cat "$WORK/head.log"; diagnose; die "ray start --head failed"; }
+
+log "starting Ray worker on $WORKER_IP, joining $HEAD_IP:$GCS_PORT"
+run_waiting timeout 120 "${IN_W[@]}" \
+  "$RAY" start --address="$HEAD_IP:$GCS_PORT" --node-ip-address="$WORKER_IP" \
+  --node-manager-port="$WORKER_NM_PORT" --object-manager-port="$WORKER_OM_PORT" \
+  --num-cpus=1 --resources='{"region_b": 2}' --object-store-memory=268435456 \
+  --temp-dir="$WORK/w" --disable-usage-stats >"$WORK/worker.log" 2>&1 ||
+  { cat "$WORK/worker.log"; diagnose; die "ray start --address (worker) failed"; }
+
+joined=""
+for _ in $(seq 1 30); do
+  if run_waiting timeout 30 "${IN_H[@]}" "$RAY" status --address="$HEAD_IP:$GCS_PORT" >"$WORK/status.log" 2>&1 &&
+    grep -q region_b "$WORK/status.log" && grep -q region_a "$WORK/status.log"; then
+    joined=1
+    break
+  fi
+  sleep 2
+done
+[ -n "$joined" ] || { cat "$WORK/status.log"; diagnose; die "the worker did not join the head within ~60 s"; }
+log "cluster up: 2 nodes, resources region_a (head) and region_b (worker)"
+
+# ---- the job ------------------------------------------------------------------------------------
+# .git is excluded by Ray; the rest is excluded here (runs/ and caches can be large).
+EXCLUDES='{"excludes": ["runs/", ".hypothesis/", ".pytest_cache/", ".ruff_cache/", "benchmarks/results/", "*.egg-info/", "__pycache__/", ".venv/", "venv/"]}'
+log "submitting: $PY -m actors.cli train --config $CONFIG_REL (timeout ${JOB_TIMEOUT}s)"
+job_start=$SECONDS
+run_waiting timeout "$JOB_TIMEOUT" "${IN_H[@]}" \
+  "$RAY" job submit --address="http://$HEAD_IP:$DASH_PORT" \
+  --working-dir="$REPO" --runtime-env-json="$EXCLUDES" -- \
+  "$PY" -m actors.cli train --config "$CONFIG_REL" --run-dir "$RUN_DIR" --quiet >"$WORK/job.log" 2>&1
+job_rc=$?
+job_s=$((SECONDS - job_start))
+if [ "$job_rc" != 0 ]; then
+  diagnose
+  [ "$job_rc" = 124 ] && die "the job did not finish within ${JOB_TIMEOUT}s"
+  die "ray job submit exited with $job_rc"
+fi
+[ -s "$RUN_DIR/summary.json" ] || { diagnose; die "the job ended without $RUN_DIR/summary.json"; }
+
+# The driver's own output (dloco's summary table), without the job client's log lines.
+log "job output (dloco train on the head, ${job_s}s incl. upload):"
+awk '/^Running entrypoint/ {on = 1; next} on && !/^[0-9]{4}-[0-9]{2}-[0-9]{2} / {print "    " $0}' "$WORK/job.log"
+
+# ---- verification -------------------------------------------------------------------------------
+HEAD_IP=$HEAD_IP WORKER_IP=$WORKER_IP JOB_S=$job_s TOTAL_S=$((SECONDS - START_S)) \
+  "$PY" - "$RUN_DIR/summary.json" <<'PYEOF'
+import json, os, sys
+
+s = json.load(open(sys.argv[1]))
+head, worker = os.environ["HEAD_IP"], os.environ["WORKER_IP"]
+placement = {int(k): v for k, v in (s.get("placement") or {}).items()}
+groups = {0: "a", 1: "b"}
+print(f"{'learner':>7}  {'group':<5}  {'node ip':<12}  {'node id':<14}  resources")
+for m in sorted(placement):
+    p = placement[m] or {}
+    res = ", ".join(f"{k}={v:g}" for k, v in sorted((p.get("resources") or {}).items()))
+    print(f"{m:>7}  {groups.get(m, '?'):<5}  {p.get('ip', '?'):<12}  {str(p.get('node_id', '?'))[:12]:<14}  {res}")
+print(f"merges {s['merges']}  eval loss {s['eval_loss_start']:.3f} -> {s['eval_loss_end']:.3f}  "
+      f"tokens {s['tokens_trained']:,}  run {s['wall_time_s']:.1f}s  job {os.environ['JOB_S']}s  "
+      f"script so far {os.environ['TOTAL_S']}s")
+errors = []
+want = {0: head, 1: worker}
+for m, ip in want.items():
+    got = (placement.get(m) or {}).get("ip")
+    if got != ip:
+        errors.append(f"learner {m} ran on {got!r}, expected {ip} ({'head' if m == 0 else 'worker'})")
+nodes = {(placement.get(m) or {}).get("node_id") for m in want}
+if len(nodes) != 2:
+    errors.append(f"learners 0 and 1 did not run on two different nodes: {nodes}")
+if not s["merges"] > 0:
+    errors.append(f"no merges (merges={s['merges']})")
+if not s["eval_loss_end"] < s["eval_loss_start"]:
+    errors.append(f"eval loss did not fall: {s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f}")
+for e in errors:
+    print(f"two_node_job: FAIL: {e}")
+if errors:
+    sys.exit(1)
+print(f"two_node_job: OK: learner 0 on head {head}, learner 1 on worker {worker}, "
+      f"{s['merges']} merges, eval loss {s['eval_loss_start']:.3f} -> {s['eval_loss_end']:.3f}")
+PYEOF
+rc=$?
+[ "$rc" = 0 ] || { diagnose; exit 1; }
+log "done in $((SECONDS - START_S)) s (cleanup follows)"
+exit 0

@@ -1,0 +1,71 @@
+"""The in-process run (actors/local.py): determinism and token weighting across unequal learners."""
+
+import numpy as np
+import pytest
+
+from actors.local import run_local
+from dloco import config
+
+BASE = (
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.n_layers=1",
+    "data.seq_len=32",
+    "inner.batch_size=4",
+    "data.max_bytes=400000",
+    "sync.every=8",
+    "fragments.count=2",
+    "sync.overlap=1",
+)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))
+
+
+def test_batch_sizes_set_the_weights(cache, tmp_path):
+    # group b trains twice the tokens per step: w = tokens²/steps is 4× group a's.
+    cfg = config.load(
+        overrides=(
+            *BASE,
+            f"data.cache_dir={cache}",
+            "algorithm=streaming",
+            "syncer.quorum=2",
+            "learners.groups=[{name: a, count: 1, batch_size: 4}, {name: b, count: 1, batch_size: 8}]",
+        )
+    )
+    run = run_local(cfg, tmp_path, steps=16, step_times=[1.0, 1.0])
+    merges = [e for e in run.events if e["event"] == "merge"]
+    assert len(merges) == 4
+    for e in merges:
+        assert e["contributors"] == [0, 1]
+        assert e["tokens"][1] == 2 * e["tokens"][0]
+        assert e["weights"] == pytest.approx([0.2, 0.8])
+
+
+def test_speeds_set_the_weights_and_runs_are_deterministic(cache, tmp_path):
+    cfg = config.load(
+        overrides=(
+            *BASE,
+            f"data.cache_dir={cache}",
+            "learners.count=2",
+            "syncer.quorum=2",
+            "syncer.grace_factor=0",
+            "learner.receive=rebase",
+        )
+    )
+    a = run_local(cfg, tmp_path / "a", steps=24, step_times=[1.0, 1.7])
+    b = run_local(cfg, tmp_path / "b", steps=24, step_times=[1.0, 1.7])
+    merges = [e for e in a.events if e["event"] == "merge"]
+    assert merges == [e for e in b.events if e["event"] == "merge"]  # bit-for-bit reproducible
+    both = [e for e in merges if e["contributors"] == [0, 1]]
+    assert both
+    for e in merges:
+        w = np.array(e["tokens"], float) ** 2 / np.array(e["inner_steps"], float)
+        assert e["weights"] == pytest.approx(list(w / w.sum()))
+    # the faster learner has trained more since its anchor by the time the round closes
+    assert any(e["weights"][0] > e["weights"][1] for e in both)
+    for p in range(2):
+        for n, x in a.store.fragment(p)[1].items():
+            np.testing.assert_array_equal(x, b.store.fragment(p)[1][n])
