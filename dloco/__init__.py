@@ -1,1 +1,18 @@
-"""dloco: Decoupled DiLoCo (placeholder; public surface defined below)."""
+"""dloco: Decoupled DiLoCo — the pure library (no Ray; `actors/` wraps it in Ray actors).
+
+Public surface, one module per concept (ALGORITHM.md section in brackets):
+
+- `dloco.config`: `RunConfig` and its sections, `load`, `ConfigError` [§2]
+- `dloco.model`: the decoder-only transformer LM; `dloco.data`: corpora, tokenizers, streams
+- `dloco.inner`: AdamW train/eval steps, data-parallel over a device mesh
+- `dloco.fragments`: `partition`, `FragmentPlan` (send schedule, conversions) [§3]
+- `dloco.merge`: `token_weights`, `weighted_mean`, `rda`, `merge_fragment` [§6]
+- `dloco.outer`: the outer Nesterov SGD per fragment [§6]
+- `dloco.compress`: `encode`/`decode` of fp32/bf16/int8/int4 payloads, error feedback [§7]
+- `dloco.policy`: contribution checks, grace window, per-fragment rounds [§5]
+- `dloco.learner.LearnerCore`, `dloco.syncer.SyncerCore`, `dloco.store.StoreCore`: the three
+  roles' algorithms without transport [§1, §4, §5, §8]
+- `dloco.build`: everything an actor derives from a config; `dloco.metrics`: run accounting [§8]
+"""
+
+__version__ = "0.1.0"
