@@ -7,3 +7,31 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray listens on 127.0.0.1 only
+
+import pytest  # noqa: E402
+
+# A 5k-parameter model on 400 kB of the stdlib corpus: compiles in about a second, so that tests of
+# runs (in-process, Ray, CLI) spend their time on the system under test.
+TINY_RUN = (
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.n_layers=1",
+    "data.seq_len=32",
+    "inner.batch_size=4",
+    "data.max_bytes=400000",
+    "sync.every=8",
+    "fragments.count=2",
+    "sync.overlap=1",
+)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    """One tokenized-corpus cache for the whole session."""
+    return str(tmp_path_factory.mktemp("data-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(data_cache):
+    """Dotted overrides for a tiny, fast run using the session's data cache."""
+    return (*TINY_RUN, f"data.cache_dir={data_cache}")

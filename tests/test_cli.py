@@ -35,19 +35,10 @@ def test_existing_run_dir_needs_resume(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
-def test_train_end_to_end(tmp_path):
-    cache = tmp_path / "cache"
-    args = ["train", "--run-dir", str(tmp_path / "run"), "--quiet", "--set", f"data.cache_dir={cache}"]
+def test_train_end_to_end(tmp_path, tiny_run):
+    args = ["train", "--run-dir", str(tmp_path / "run"), "--quiet"]
     for kv in (
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.n_layers=1",
-        "data.seq_len=32",
-        "inner.batch_size=4",
-        "data.max_bytes=400000",
-        "sync.every=8",
-        "fragments.count=2",
-        "sync.overlap=1",
+        *tiny_run,
         "learners.count=2",
         "learners.num_cpus=0.5",
         "budget.tokens=30000",

@@ -6,30 +6,12 @@ import pytest
 from actors.local import run_local
 from dloco import config
 
-BASE = (
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "data.seq_len=32",
-    "inner.batch_size=4",
-    "data.max_bytes=400000",
-    "sync.every=8",
-    "fragments.count=2",
-    "sync.overlap=1",
-)
 
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
-def test_batch_sizes_set_the_weights(cache, tmp_path):
+def test_batch_sizes_set_the_weights(tiny_run, tmp_path):
     # group b trains twice the tokens per step: w = tokens²/steps is 4× group a's.
     cfg = config.load(
         overrides=(
-            *BASE,
-            f"data.cache_dir={cache}",
+            *tiny_run,
             "algorithm=streaming",
             "syncer.quorum=2",
             "learners.groups=[{name: a, count: 1, batch_size: 4}, {name: b, count: 1, batch_size: 8}]",
@@ -44,11 +26,10 @@ def test_batch_sizes_set_the_weights(cache, tmp_path):
         assert e["weights"] == pytest.approx([0.2, 0.8])
 
 
-def test_speeds_set_the_weights_and_runs_are_deterministic(cache, tmp_path):
+def test_speeds_set_the_weights_and_runs_are_deterministic(tiny_run, tmp_path):
     cfg = config.load(
         overrides=(
-            *BASE,
-            f"data.cache_dir={cache}",
+            *tiny_run,
             "learners.count=2",
             "syncer.quorum=2",
             "syncer.grace_factor=0",

@@ -15,20 +15,7 @@ ray = pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
-BASE = (
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "data.seq_len=32",
-    "inner.batch_size=4",
-    "data.max_bytes=400000",
-    "sync.every=8",
-    "fragments.count=2",
-    "sync.overlap=1",
-    "metrics.eval_every_s=1000",
-    "store.snapshot_every=4",
-    "learners.num_cpus=0.5",
-)
+RUN = ("metrics.eval_every_s=1000", "store.snapshot_every=4", "learners.num_cpus=0.5")
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +27,9 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
-def cfg_for(cache, *overrides):
-    return config.load(overrides=(*BASE, f"data.cache_dir={cache}", *overrides))
+@pytest.fixture
+def cfg_for(tiny_run):
+    return lambda *overrides: config.load(overrides=(*tiny_run, *RUN, *overrides))
 
 
 def wait_for(pred, timeout=120.0, every=0.25):
@@ -63,10 +46,10 @@ def merges(handle, after=0.0):
     return [e for e in handle.metrics("merge") if e["time"] > after]
 
 
-def test_killed_learner_restarts_resumes_and_others_never_stall(ray_cluster, cache, tmp_path):
+def test_killed_learner_restarts_resumes_and_others_never_stall(ray_cluster, cfg_for, tmp_path):
     from actors.launch import start
 
-    h = start(cfg_for(cache, "learners.count=3", "syncer.quorum=1", "budget.seconds=600"), run_dir=tmp_path)
+    h = start(cfg_for("learners.count=3", "syncer.quorum=1", "budget.seconds=600"), run_dir=tmp_path)
     try:
         wait_for(lambda: any(1 in e["contributors"] for e in merges(h)) and len(merges(h)) >= 6)
         ledger_before = ray.get(h.store.summary.remote())
@@ -87,10 +70,10 @@ def test_killed_learner_restarts_resumes_and_others_never_stall(ray_cluster, cac
         h.stop()
 
 
-def test_killed_store_restores_snapshot_without_losing_versions(ray_cluster, cache, tmp_path):
+def test_killed_store_restores_snapshot_without_losing_versions(ray_cluster, cfg_for, tmp_path):
     from actors.launch import start
 
-    h = start(cfg_for(cache, "learners.count=2", "budget.seconds=600"), run_dir=tmp_path)
+    h = start(cfg_for("learners.count=2", "budget.seconds=600"), run_dir=tmp_path)
     try:
         wait_for(lambda: len(merges(h)) >= 6)
         before = ray.get(h.store.summary.remote())["versions"]
@@ -106,10 +89,10 @@ def test_killed_store_restores_snapshot_without_losing_versions(ray_cluster, cac
         h.stop()
 
 
-def test_killed_syncer_is_rebuilt_from_the_store_and_merging_resumes(ray_cluster, cache, tmp_path):
+def test_killed_syncer_is_rebuilt_from_the_store_and_merging_resumes(ray_cluster, cfg_for, tmp_path):
     from actors.launch import start
 
-    h = start(cfg_for(cache, "learners.count=2", "budget.seconds=600"), run_dir=tmp_path)
+    h = start(cfg_for("learners.count=2", "budget.seconds=600"), run_dir=tmp_path)
     try:
         wait_for(lambda: len(merges(h)) >= 4)
         h.kill_syncer()
@@ -124,7 +107,7 @@ def test_killed_syncer_is_rebuilt_from_the_store_and_merging_resumes(ray_cluster
         h.stop()
 
 
-def test_payload_lost_with_its_dead_owner_is_skipped_not_fatal(ray_cluster, cache, tmp_path):
+def test_payload_lost_with_its_dead_owner_is_skipped_not_fatal(ray_cluster, cfg_for, tmp_path):
     from actors.store import FragmentStore
     from actors.syncer import Syncer
     from dloco import build
@@ -138,7 +121,7 @@ def test_payload_lost_with_its_dead_owner_is_skipped_not_fatal(ray_cluster, cach
 
             return [ray.put({n: compress.encode(x, "fp32") for n, x in delta.items()})]
 
-    cfg = cfg_for(cache, "learners.count=2", "syncer.quorum=2", "compression.dtype=fp32", "budget.seconds=10")
+    cfg = cfg_for("learners.count=2", "syncer.quorum=2", "compression.dtype=fp32", "budget.seconds=10")
     p = 1
     shapes = build.blueprint(cfg).plan.fragments[p].shape_map
     ns = f"lost-{time.time_ns()}"
@@ -167,13 +150,12 @@ def test_payload_lost_with_its_dead_owner_is_skipped_not_fatal(ray_cluster, cach
         ray.kill(a, no_restart=True)
 
 
-def test_ray_run_equals_in_process_run_on_a_fixed_schedule(ray_cluster, cache, tmp_path):
+def test_ray_run_equals_in_process_run_on_a_fixed_schedule(ray_cluster, cfg_for, tmp_path):
     """K = M, γ = 0, equal speeds, overwrite (streaming, blocking after τ): the same global model."""
     from actors.launch import start
     from actors.local import run_local
 
     cfg = cfg_for(
-        cache,
         "algorithm=streaming",
         "learners.count=2",
         "syncer.quorum=2",
