@@ -15,13 +15,19 @@ Measured in one run, on one local Ray cluster started by the script (this machin
             has no merged fragments to install, and so does the same arithmetic as the bare loop.
    Both get the XLA/OMP/compilation-cache environment the launcher gives learner actors
    (`actors.launch._worker_env`): the subprocess in its environment, the actor in its runtime_env.
-   Each run does `warmup` untimed steps (compile) then `steps` timed steps (wall clock around
-   the loop). Order bare, actor, bare, actor, ...; the median of each is reported, with the
-   ratio actor/bare (the target is >= 0.97). The Ray cluster is up during the bare runs too, so
-   the ratio isolates the actor itself, not the idle cluster's background load.
+   Both are started and warmed up (`warmup` untimed steps: compile), then they take turns: timed
+   chunks of `chunk` steps alternate bare, actor, bare, actor, ... (the idle one waits, using no
+   CPU), each timed by the driver around one request (one pipe round trip vs one Ray call), so
+   both see the same machine from second to second. `reps` fresh pairs; repetitions alternate
+   who goes first. Reported: the median chunk tokens/s of each, their ratio actor/bare (the
+   target is >= 0.97), the median of the paired chunk ratios, and the CPU cores each process
+   used while training. The Ray cluster is up during the bare chunks too, so the ratio isolates
+   the actor itself, not the idle cluster's background load.
 
 2. Rejoin time: a real run (`actors.launch.start`, tiny preset, 2 learners, K=1, no token
-   budget); once learner 1 has contributed to a merge, `kill_learner(1)` and measure
+   budget); once the current incarnation of learner 1 has contributed to a merge of every
+   fragment (so that it resumes from its merged cursor, not from step 0), `kill_learner(1)` and
+   measure
    kill -> `learner_restart` (the restarted actor registered with the store: Ray restarted the
    process, it imported JAX and built its blueprint) and kill -> the first merge that includes
    learner 1 in its new incarnation (compiled, trained to its next push, and the syncer merged
@@ -32,13 +38,14 @@ Measured in one run, on one local Ray cluster started by the script (this machin
 Prints a table (operation, value, unit) and writes every raw number, the configs, the CPU count
 and the jax/ray versions as JSON.
 
-Usage:  python benchmarks/learner_overhead.py [--quick | --tiny] [--steps 200] [--rejoins 3]
+Usage:  python benchmarks/learner_overhead.py [--quick] [--steps 200] [--chunk 20] [--rejoins 3]
 Writes  benchmarks/results/learner_overhead.json (or --out)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -54,17 +61,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-# (preset, timed steps, warm-up steps, repetitions, rejoins) per mode
+# (preset, timed steps, warm-up steps, steps per timed chunk, repetitions, rejoins) per mode
 MODES = {
-    "full": ("small", 200, 10, 2, 3),
-    "quick": ("tiny", 100, 5, 2, 1),
-    "tiny": ("tiny", 40, 3, 1, 1),
+    "full": ("small", 200, 10, 20, 2, 3),
+    "quick": ("tiny", 100, 5, 20, 2, 1),
 }
 
 
 # ---- bare process -----------------------------------------------------------------------------
-def bare_worker(spec: dict) -> dict:
-    """Runs in a fresh subprocess: LearnerCore built as `actors.learner.Learner` builds it."""
+def bare_worker(spec: dict) -> None:
+    """Runs in a fresh subprocess: builds LearnerCore as `actors.learner.Learner` builds it, then
+    for each line ``N`` on stdin trains up to local step N and answers one JSON line."""
     t_start = time.perf_counter()
     from dloco import build, inner
     from dloco.config import from_dict
@@ -79,56 +86,59 @@ def bare_worker(spec: dict) -> dict:
     core = LearnerCore(
         cfg, learner_id, 1, bp.model, inner.make_mesh(), bp.plan, list(bp.initial), [0] * bp.plan.count, stream, 0
     )
-    t_built = time.perf_counter()
     step_time = Ema(0.9)
-    pushes = bytes_out = 0
-
-    def loop(max_steps: int) -> None:  # `Learner.run` without its Ray calls
-        nonlocal pushes, bytes_out
-        while core.step_count < max_steps:
+    status = {"step": 0, "tokens": 0, "pushes": 0, "bytes_out": 0, "build_s": time.perf_counter() - t_start}
+    print(json.dumps(status), flush=True)
+    for line in sys.stdin:
+        while core.step_count < int(line):  # `Learner.run` without its Ray calls
             core.apply_inbox()
             t0 = time.perf_counter()
-            _, out = core.step(step_time=step_time.value or 0.0)
+            _, pushes = core.step(step_time=step_time.value or 0.0)
             if core.step_count > 1:
                 step_time.update(time.perf_counter() - t0)
-            pushes += len(out)
-            bytes_out += sum(p.nbytes for p in out)
-
-    loop(spec["warmup"])
-    t_warm = time.perf_counter()
-    pushes = bytes_out = 0
-    loop(spec["warmup"] + spec["steps"])
-    t_end = time.perf_counter()
-    return {
-        "seconds": t_end - t_warm,
-        "steps": spec["steps"],
-        "tokens": spec["steps"] * core.tokens_per_step,
-        "tokens_per_s": spec["steps"] * core.tokens_per_step / (t_end - t_warm),
-        "pushes": pushes,
-        "bytes_out": bytes_out,
-        "build_s": t_built - t_start,
-        "warmup_s": t_warm - t_built,
-    }
+            status["pushes"] += len(pushes)
+            status["bytes_out"] += sum(p.nbytes for p in pushes)
+        status.update(step=core.step_count, tokens=core.step_count * core.tokens_per_step)
+        print(json.dumps(status), flush=True)
 
 
-def run_bare(cfg, warmup: int, steps: int) -> dict:
-    from actors.launch import _worker_env
+class BareLearner:
+    """Driver side of `bare_worker`: a subprocess with the learner actors' environment."""
 
-    env = {**os.environ, **_worker_env(cfg, gpu=False)}
-    spec = json.dumps({"cfg": cfg.to_dict(), "warmup": warmup, "steps": steps})
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--bare-worker", spec],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"bare worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    out["process_s"] = time.perf_counter() - t0
-    return out
+    kind = "bare"
+
+    def __init__(self, cfg) -> None:
+        from actors.launch import _worker_env
+
+        self._err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close()
+        spec = json.dumps({"cfg": cfg.to_dict()})
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--bare-worker", spec],
+            env={**os.environ, **_worker_env(cfg, gpu=False)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+        )
+        self.pid = self.proc.pid
+        self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self._err.seek(0)
+            raise RuntimeError(f"bare worker exited ({self.proc.wait()}):\n{self._err.read()[-4000:]}")
+        return json.loads(line)
+
+    def advance(self, max_steps: int) -> dict:
+        self.proc.stdin.write(f"{max_steps}\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self._err.close()
 
 
 # ---- Ray actor --------------------------------------------------------------------------------
@@ -152,89 +162,154 @@ class SinkSyncer:
         return True
 
 
-def run_actor(cfg, warmup: int, steps: int) -> dict:
-    import uuid
+class ActorLearner:
+    """The real `actors.learner.Learner`, wrapped as `actors.launch` wraps it, beside a real
+    `FragmentStore` and a `SinkSyncer`, in a namespace of its own."""
 
-    import ray
+    kind = "actor"
 
-    from actors.launch import _worker_env
-    from actors.learner import Learner
-    from actors.store import FragmentStore
+    def __init__(self, cfg) -> None:
+        import uuid
 
-    ns = f"overhead-{uuid.uuid4().hex[:8]}"
-    cfg_dict = cfg.to_dict()
-    env = {"env_vars": _worker_env(cfg, gpu=False)}
-    run_dir = tempfile.mkdtemp(prefix="dloco-overhead-")
-    opts = {"namespace": ns, "num_cpus": 0, "runtime_env": env}
-    store = ray.remote(FragmentStore).options(name="store", **opts).remote(cfg_dict, run_dir)
-    syncer = ray.remote(SinkSyncer).options(name="syncer", **opts).remote()
-    ray.get([store.ping.remote(), syncer.ping.remote()])
-    g = cfg.learners.expand()[0]
-    t0 = time.perf_counter()
-    learner = (
-        ray.remote(Learner)
-        .options(
-            name="learner-0",
-            namespace=ns,
-            max_restarts=-1,
-            max_task_retries=-1,
-            max_concurrency=4,
-            num_cpus=g.num_cpus,
-            runtime_env=env,
+        import ray
+
+        from actors.launch import _worker_env
+        from actors.learner import Learner
+        from actors.store import FragmentStore
+
+        self.ray = ray
+        ns = f"overhead-{uuid.uuid4().hex[:8]}"
+        cfg_dict = cfg.to_dict()
+        env = {"env_vars": _worker_env(cfg, gpu=False)}
+        self.run_dir = tempfile.mkdtemp(prefix="dloco-overhead-")
+        opts = {"namespace": ns, "num_cpus": 0, "runtime_env": env}
+        self.store = ray.remote(FragmentStore).options(name="store", **opts).remote(cfg_dict, self.run_dir)
+        self.syncer = ray.remote(SinkSyncer).options(name="syncer", **opts).remote()
+        ray.get([self.store.ping.remote(), self.syncer.ping.remote()])
+        g = cfg.learners.expand()[0]
+        self.learner = (
+            ray.remote(Learner)
+            .options(
+                name="learner-0",
+                namespace=ns,
+                max_restarts=-1,
+                max_task_retries=-1,
+                max_concurrency=4,
+                num_cpus=g.num_cpus,
+                runtime_env=env,
+            )
+            .remote(cfg_dict, 0, "store", "syncer", ns)
         )
-        .remote(cfg_dict, 0, "store", "syncer", ns)
-    )
-    try:
-        ray.get(learner.ping.remote())
-        t_built = time.perf_counter()
-        before = ray.get(learner.run.remote(warmup))
-        t_warm = time.perf_counter()
-        after = ray.get(learner.run.remote(warmup + steps))
-        t_end = time.perf_counter()
-        received = ray.get(syncer.count.remote())
-    finally:
-        for a in (learner, syncer, store):
-            ray.kill(a, no_restart=True)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        ray.get(self.learner.ping.remote())
+        self.pid = _find_pid("ray::Learner")
+
+    def advance(self, max_steps: int) -> dict:
+        return self.ray.get(self.learner.run.remote(max_steps))
+
+    def pushes_received(self) -> int:
+        return self.ray.get(self.syncer.count.remote())
+
+    def close(self) -> None:
+        for a in (self.learner, self.syncer, self.store):
+            self.ray.kill(a, no_restart=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _find_pid(title: str) -> int | None:
+    """The pid of the one process whose title starts with `title` (Ray names workers by actor)."""
+    import psutil
+
+    found = [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith(title)]
+    return found[0] if len(found) == 1 else None
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    import psutil
+
+    if pid is None:
+        return None
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def _chunk(runner, to_step: int) -> dict:
+    """Trains `runner` up to `to_step`, timed from the driver (both kinds pay one round trip)."""
+    c0 = _cpu_seconds(runner.pid)
+    t0 = time.perf_counter()
+    before = runner.last
+    after = runner.advance(to_step)
+    seconds = time.perf_counter() - t0
+    c1 = _cpu_seconds(runner.pid)
+    runner.last = after
     tokens = after["tokens"] - before["tokens"]
     return {
-        "seconds": t_end - t_warm,
         "steps": after["step"] - before["step"],
         "tokens": tokens,
-        "tokens_per_s": tokens / (t_end - t_warm),
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "cores_used": (c1 - c0) / seconds if c0 is not None and c1 is not None else None,
         "pushes": after["pushes"] - before["pushes"],
         "bytes_out": after["bytes_out"] - before["bytes_out"],
-        "pushes_received_by_syncer": received,
-        "build_s": t_built - t0,
-        "warmup_s": t_warm - t_built,
     }
 
 
-def overhead(cfg, warmup: int, steps: int, reps: int) -> dict:
-    bare, actor = [], []
+def overhead(cfg, warmup: int, steps: int, chunk: int, reps: int) -> dict:
+    """`reps` fresh (bare, actor) pairs; in each, timed chunks of `chunk` steps alternate between
+    the two (the idle one waits), so that both see the same machine from second to second."""
+    runs = []
     for r in range(reps):
-        for kind, fn, out in (("bare", run_bare, bare), ("actor", run_actor, actor)):
-            res = fn(cfg, warmup, steps)
-            out.append(res)
-            print(
-                f"  rep {r + 1}/{reps} {kind:5s}: {res['tokens_per_s']:9.0f} tokens/s "
-                f"({res['steps']} steps in {res['seconds']:.2f} s, {res['pushes']} pushes; "
-                f"build {res['build_s']:.1f} s, warm-up {res['warmup_s']:.1f} s)",
-                flush=True,
-            )
-    b = statistics.median(x["tokens_per_s"] for x in bare)
-    a = statistics.median(x["tokens_per_s"] for x in actor)
+        with contextlib.ExitStack() as cleanup:
+            t0 = time.perf_counter()
+            bare = BareLearner(cfg)
+            cleanup.callback(bare.close)
+            t1 = time.perf_counter()
+            actor = ActorLearner(cfg)
+            cleanup.callback(actor.close)
+            t2 = time.perf_counter()
+            rec = {"bare": {"start_s": t1 - t0, "chunks": []}, "actor": {"start_s": t2 - t1, "chunks": []}}
+            order = (bare, actor) if r % 2 == 0 else (actor, bare)
+            for runner in order:
+                runner.last = {"step": 0, "tokens": 0, "pushes": 0, "bytes_out": 0}
+                w0 = time.perf_counter()
+                runner.last = runner.advance(warmup)
+                rec[runner.kind]["warmup_s"] = time.perf_counter() - w0
+            target = warmup
+            while target < warmup + steps:
+                target = min(target + chunk, warmup + steps)
+                for runner in order:
+                    rec[runner.kind]["chunks"].append(_chunk(runner, target))
+            rec["actor"]["pushes_received_by_syncer"] = actor.pushes_received()
+        for kind in ("bare", "actor"):
+            ch = rec[kind]["chunks"]
+            rec[kind]["tokens_per_s"] = sum(c["tokens"] for c in ch) / sum(c["seconds"] for c in ch)
+            rec[kind]["pushes"] = sum(c["pushes"] for c in ch)
+        runs.append(rec)
+        print(
+            f"  rep {r + 1}/{reps} ({order[0].kind} first): bare {rec['bare']['tokens_per_s']:8.0f} tokens/s, "
+            f"actor {rec['actor']['tokens_per_s']:8.0f} tokens/s "
+            f"({rec['actor']['tokens_per_s'] / rec['bare']['tokens_per_s']:.3f}); "
+            f"start bare {rec['bare']['start_s']:.1f} s, actor {rec['actor']['start_s']:.1f} s",
+            flush=True,
+        )
+    chunks = {k: [c for rec in runs for c in rec[k]["chunks"]] for k in ("bare", "actor")}
+    med = {k: statistics.median(c["tokens_per_s"] for c in v) for k, v in chunks.items()}
+    paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(chunks["actor"], chunks["bare"], strict=True)]
+    cores = {k: [c["cores_used"] for c in v if c["cores_used"] is not None] for k, v in chunks.items()}
     return {
         "code_path": "dloco.learner.LearnerCore.step() in both: actors.learner.Learner.run vs its loop without Ray",
         "warmup_steps": warmup,
         "steps": steps,
+        "chunk_steps": chunk,
         "repetitions": reps,
-        "order": "bare, actor, bare, actor, ...",
-        "bare": bare,
-        "actor": actor,
-        "bare_tokens_per_s": b,
-        "actor_tokens_per_s": a,
-        "ratio": a / b,
+        "order": "per repetition: warm-up both, then timed chunks alternate; repetitions alternate who goes first",
+        "runs": runs,
+        "bare_tokens_per_s": med["bare"],
+        "actor_tokens_per_s": med["actor"],
+        "ratio": med["actor"] / med["bare"],
+        "paired_ratio_median": statistics.median(paired),
+        "ratio_of_totals": statistics.median(r["actor"]["tokens_per_s"] for r in runs)
+        / statistics.median(r["bare"]["tokens_per_s"] for r in runs),
+        "cores_used_median": {k: statistics.median(v) if v else None for k, v in cores.items()},
         "target_ratio": 0.97,
     }
 
@@ -276,7 +351,11 @@ def rejoins(cfg, n: int, timeout: float = 300.0) -> dict:
     try:
         for i in range(n):
             inc = i + 1
-            wait_for(lambda inc=inc: merges_of(1, inc), timeout, f"a merge including learner 1 incarnation {inc}")
+            wait_for(
+                lambda inc=inc: {e["fragment"] for e in merges_of(1, inc)} == set(range(cfg.fragments.count)),
+                timeout,
+                f"merges of every fragment including learner 1 incarnation {inc}",
+            )
             entries_before = cache_entries(cache)
             h.kill_learner(1)
             killed = h.metrics("kill")[-1]["time"]
@@ -332,21 +411,20 @@ def rejoins(cfg, n: int, timeout: float = 300.0) -> dict:
 # ---- driver -----------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="tiny preset, 100 steps, 1 rejoin (~2 min)")
-    mode.add_argument("--tiny", action="store_true", help="smallest run, for the test suite")
+    ap.add_argument("--quick", action="store_true", help="tiny preset, 100 timed steps, 1 rejoin (~70 s)")
     ap.add_argument("--preset", choices=("tiny", "small"), help="model of the overhead runs")
     ap.add_argument("--batch", type=int, default=8, help="rows per step of the overhead runs")
     ap.add_argument("--seq", type=int, default=128, help="sequence length of the overhead runs")
     ap.add_argument("--steps", type=int, help="timed steps per overhead run")
     ap.add_argument("--warmup", type=int, help="untimed steps before them")
+    ap.add_argument("--chunk", type=int, help="timed steps per turn (bare and actor take turns)")
     ap.add_argument("--reps", type=int, help="repetitions of (bare, actor)")
     ap.add_argument("--rejoins", type=int, help="learner kills in the rejoin run")
     ap.add_argument("--out", default="benchmarks/results/learner_overhead.json")
     ap.add_argument("--bare-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_worker:
-        print(json.dumps(bare_worker(json.loads(args.bare_worker))))
+        bare_worker(json.loads(args.bare_worker))
         return
 
     import jax
@@ -355,10 +433,10 @@ def main() -> None:
     from actors.launch import connect
     from dloco import config
 
-    name = "tiny" if args.tiny else "quick" if args.quick else "full"
-    preset, steps, warmup, reps, n_rejoins = MODES[name]
+    name = "quick" if args.quick else "full"
+    preset, steps, warmup, chunk, reps, n_rejoins = MODES[name]
     preset = args.preset or preset
-    steps, warmup = args.steps or steps, args.warmup or warmup
+    steps, warmup, chunk = args.steps or steps, args.warmup or warmup, args.chunk or chunk
     reps, n_rejoins = args.reps or reps, args.rejoins or n_rejoins
     overhead_cfg = config.load(
         overrides=(
@@ -389,7 +467,7 @@ def main() -> None:
             f"{args.seq}, {warmup} warm-up + {steps} timed steps, {reps} x (bare, actor)",
             flush=True,
         )
-        ov = overhead(overhead_cfg, warmup, steps, reps)
+        ov = overhead(overhead_cfg, warmup, steps, chunk, reps)
         print(f"rejoin: tiny preset, 2 learners, K=1, {n_rejoins} kill(s) of learner 1", flush=True)
         rj = rejoins(rejoin_cfg, n_rejoins)
     finally:
@@ -400,17 +478,20 @@ def main() -> None:
     rows = [
         ("bare tokens/s (median)", ov["bare_tokens_per_s"], "tokens/s"),
         ("actor tokens/s (median)", ov["actor_tokens_per_s"], "tokens/s"),
-        ("actor / bare", ov["ratio"], "ratio"),
+        ("actor / bare (ratio of medians)", ov["ratio"], "ratio"),
+        ("actor / bare (median of paired chunks)", ov["paired_ratio_median"], "ratio"),
+        ("bare CPU use while training (median)", ov["cores_used_median"]["bare"], "cores"),
+        ("actor CPU use while training (median)", ov["cores_used_median"]["actor"], "cores"),
         ("kill -> learner_restart (median)", rj["kill_to_restart_s_median"], "s"),
         ("kill -> first merge again (median)", rj["kill_to_first_merge_s_median"], "s"),
         ("compile cache entries before run", rj["compilation_cache"]["entries_at_start"], "files"),
         ("restarts compiled from cache", rj["compilation_cache"]["restarts_compiled_from_cache"], "bool"),
         ("benchmark wall time", wall, "s"),
     ]
-    print(f"\n{'operation':38s} {'value':>12s}  unit")
+    print(f"\n{'operation':40s} {'value':>12s}  unit")
     for op, v, unit in rows:
-        txt = str(v) if isinstance(v, bool) else f"{v:12.3f}" if isinstance(v, float) else f"{v:12d}"
-        print(f"{op:38s} {txt:>12s}  {unit}")
+        txt = f"{v:12.3f}" if isinstance(v, float) else str(v)
+        print(f"{op:40s} {txt:>12s}  {unit}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(

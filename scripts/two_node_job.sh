@@ -105,7 +105,11 @@ cleanup() {
   drop_ns "$NS_W"
   drop_ns "$NS_H"
   if [ -n "$WORK" ]; then
-    if [ -n "${TWO_NODE_JOB_KEEP:-}" ]; then log "kept $WORK (logs, run dir)"; else rm -rf "$WORK"; fi
+    if [ -n "${TWO_NODE_JOB_KEEP:-}" ] && mv "$WORK" "/tmp/dl2n-kept-$$" 2>/dev/null; then
+      log "kept /tmp/dl2n-kept-$$ (Ray logs, job log, run dir)"
+    else
+      rm -rf "$WORK"
+    fi
   fi
   return 0
 }
@@ -117,10 +121,20 @@ trap 'log "terminated"; cleanup; exit 143' TERM
 for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^dl2n-[hw]-[0-9]+$'); do
   kill -0 "${ns##*-}" 2>/dev/null || { log "removing stale namespace $ns"; drop_ns "$ns"; }
 done
+for d in /tmp/dl2n-[0-9]*-*; do
+  [ -d "$d" ] || continue
+  pid=${d#/tmp/dl2n-}
+  pid=${pid%%-*}
+  case $pid in '' | *[!0-9]*) continue ;; esac
+  kill -0 "$pid" 2>/dev/null || { log "removing stale temp dir $d"; rm -rf "$d"; }
+done
 
-# Runs a command in the background and waits for it, so INT/TERM reach the trap at once.
+# `run_waiting LOG CMD...`: runs CMD in the background with its output in LOG and waits for it, so
+# INT/TERM reach the trap at once (and the trap's own output is not redirected into LOG).
 run_waiting() {
-  "$@" &
+  local out=$1
+  shift
+  "$@" >"$out" 2>&1 &
   CHILD=$!
   wait "$CHILD"
   local rc=$?
@@ -138,7 +152,7 @@ ip -n "$NS_H" link set lo up && ip -n "$NS_W" link set lo up &&
   ip -n "$NS_H" link set h0 up && ip -n "$NS_W" link set w0 up || die "cannot configure the veth pair"
 log "network: $NS_H h0 $HEAD_IP/30 <-> $NS_W w0 $WORKER_IP/30"
 
-WORK=$(mktemp -d /tmp/dl2n-XXXXXX)  # short: Ray's unix socket paths live under it
+WORK=$(mktemp -d "/tmp/dl2n-$$-XXXX")  # short: Ray's unix socket paths live under it
 RUN_DIR=$WORK/run
 mkdir -p "$WORK/h" "$WORK/w"
 
@@ -162,26 +176,26 @@ diagnose() {
 
 # ---- Ray head and worker ------------------------------------------------------------------------
 log "starting Ray head on $HEAD_IP (GCS :$GCS_PORT, job server :$DASH_PORT)"
-run_waiting timeout 120 "${IN_H[@]}" \
+run_waiting "$WORK/head.log" timeout 120 "${IN_H[@]}" \
   "$RAY" start --head --node-ip-address="$HEAD_IP" --port="$GCS_PORT" \
   --node-manager-port="$HEAD_NM_PORT" --object-manager-port="$HEAD_OM_PORT" \
   --ray-client-server-port="$CLIENT_PORT" \
   --include-dashboard=true --dashboard-host="$HEAD_IP" --dashboard-port="$DASH_PORT" \
   --num-cpus=1 --resources='{"region_a": 2}' --object-store-memory=268435456 \
-  --temp-dir="$WORK/h" --disable-usage-stats >"$WORK/head.log" 2>&1 ||
+  --temp-dir="$WORK/h" --disable-usage-stats ||
   { cat "$WORK/head.log"; diagnose; die "ray start --head failed"; }
 
 log "starting Ray worker on $WORKER_IP, joining $HEAD_IP:$GCS_PORT"
-run_waiting timeout 120 "${IN_W[@]}" \
+run_waiting "$WORK/worker.log" timeout 120 "${IN_W[@]}" \
   "$RAY" start --address="$HEAD_IP:$GCS_PORT" --node-ip-address="$WORKER_IP" \
   --node-manager-port="$WORKER_NM_PORT" --object-manager-port="$WORKER_OM_PORT" \
   --num-cpus=1 --resources='{"region_b": 2}' --object-store-memory=268435456 \
-  --temp-dir="$WORK/w" --disable-usage-stats >"$WORK/worker.log" 2>&1 ||
+  --temp-dir="$WORK/w" --disable-usage-stats ||
   { cat "$WORK/worker.log"; diagnose; die "ray start --address (worker) failed"; }
 
 joined=""
 for _ in $(seq 1 30); do
-  if run_waiting timeout 30 "${IN_H[@]}" "$RAY" status --address="$HEAD_IP:$GCS_PORT" >"$WORK/status.log" 2>&1 &&
+  if run_waiting "$WORK/status.log" timeout 30 "${IN_H[@]}" "$RAY" status --address="$HEAD_IP:$GCS_PORT" &&
     grep -q region_b "$WORK/status.log" && grep -q region_a "$WORK/status.log"; then
     joined=1
     break
@@ -196,10 +210,10 @@ log "cluster up: 2 nodes, resources region_a (head) and region_b (worker)"
 EXCLUDES='{"excludes": ["runs/", ".hypothesis/", ".pytest_cache/", ".ruff_cache/", "benchmarks/results/", "*.egg-info/", "__pycache__/", ".venv/", "venv/"]}'
 log "submitting: $PY -m actors.cli train --config $CONFIG_REL (timeout ${JOB_TIMEOUT}s)"
 job_start=$SECONDS
-run_waiting timeout "$JOB_TIMEOUT" "${IN_H[@]}" \
+run_waiting "$WORK/job.log" timeout "$JOB_TIMEOUT" "${IN_H[@]}" \
   "$RAY" job submit --address="http://$HEAD_IP:$DASH_PORT" \
   --working-dir="$REPO" --runtime-env-json="$EXCLUDES" -- \
-  "$PY" -m actors.cli train --config "$CONFIG_REL" --run-dir "$RUN_DIR" --quiet >"$WORK/job.log" 2>&1
+  "$PY" -m actors.cli train --config "$CONFIG_REL" --run-dir "$RUN_DIR" --quiet
 job_rc=$?
 job_s=$((SECONDS - job_start))
 if [ "$job_rc" != 0 ]; then
@@ -211,7 +225,7 @@ fi
 
 # The driver's own output (dloco's summary table), without the job client's log lines.
 log "job output (dloco train on the head, ${job_s}s incl. upload):"
-awk '/^Running entrypoint/ {on = 1; next} on && !/^[0-9]{4}-[0-9]{2}-[0-9]{2} / {print "    " $0}' "$WORK/job.log"
+awk '/^Running entrypoint/ {on = 1; next} on && !/^[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9] / {print "    " $0}' "$WORK/job.log"
 
 # ---- verification -------------------------------------------------------------------------------
 HEAD_IP=$HEAD_IP WORKER_IP=$WORKER_IP JOB_S=$job_s TOTAL_S=$((SECONDS - START_S)) \

@@ -1,0 +1,63 @@
+"""The benchmark scripts run end to end and write their JSON (values are checked, not timings).
+
+Each script runs in its own interpreter (it starts and stops its own local Ray cluster), so this
+module never shares a Ray session with the other tests.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def run_script(script: str, *args: str) -> None:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("XLA_FLAGS", None)  # conftest's two virtual devices are for in-process tests only
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_learner_overhead_quick_writes_positive_numbers(tmp_path):
+    out = tmp_path / "x.json"
+    run_script("learner_overhead.py", "--quick", "--out", str(out))
+    d = json.loads(out.read_text())
+    assert {"overhead", "rejoin", "config", "machine", "versions", "table"} <= set(d)
+    ov, rj = d["overhead"], d["rejoin"]
+    for key in ("bare_tokens_per_s", "actor_tokens_per_s", "ratio", "paired_ratio_median"):
+        assert ov[key] > 0, key
+    for run in ov["runs"]:
+        for kind in ("bare", "actor"):
+            assert sum(c["steps"] for c in run[kind]["chunks"]) == ov["steps"]
+        # both did the same work: the same steps and the same pushes
+        assert run["bare"]["pushes"] == run["actor"]["pushes"] > 0
+    assert len(rj["rejoins"]) == 1
+    row = rj["rejoins"][0]
+    assert row["incarnation"] == 2
+    assert 0 < row["kill_to_restart_s"] < row["kill_to_first_merge_s"]
+    assert rj["kill_to_restart_s_median"] > 0 and rj["kill_to_first_merge_s_median"] > 0
+    assert isinstance(rj["compilation_cache"]["restarts_compiled_from_cache"], bool)
+    assert d["machine"]["cpus"] >= 1 and d["versions"]["jax"] and d["versions"]["ray"]
+
+
+def test_merge_throughput_writes_positive_rates(tmp_path):
+    out = tmp_path / "m.json"
+    run_script("merge_throughput.py", "--params", "2e6", "--repeat", "1", "--out", str(out))
+    d = json.loads(out.read_text())
+    assert d["params"] == 2_000_000 and d["results"]
+    for r in d["results"]:
+        assert r["seconds"] > 0 and r["gbps_params"] > 0, r["operation"]
