@@ -33,7 +33,8 @@ from dloco.config import RunConfig
 def _worker_env(cfg: RunConfig, gpu: bool) -> dict[str, str]:
     n = cfg.learners.xla_threads
     env = {
-        "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen={'true' if n > 1 else 'false'} --xla_cpu_intra_op_parallelism_threads={n}",
+        # XLA's CPU client has no thread-count flag; single-threaded Eigen is the one switch it reads.
+        "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen={'true' if n > 1 else 'false'}",
         "OMP_NUM_THREADS": str(n),
         "TF_CPP_MIN_LOG_LEVEL": "3",
         # JAX's persistent compilation cache: a restarted learner recompiles from disk, not scratch.

@@ -58,8 +58,11 @@ class Learner:
         self.pushes = self.installs = self.bytes_out = self.bytes_in = 0
         self.created_at = time.time()
         ctx = ray.get_runtime_context()
-        self.node = {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                     "resources": {k: v for k, v in ctx.get_assigned_resources().items()}}
+        self.node = {
+            "node_id": ctx.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "resources": {k: v for k, v in ctx.get_assigned_resources().items()},
+        }
         self._stop = threading.Event()
         self._poll: ray.ObjectRef | None = None
 
