@@ -397,7 +397,7 @@ class RunConfig:
 
 
 # Presets are overrides on the dataclass defaults. `tiny`: a 0.4M-parameter model that trains in
-# seconds on one CPU core. `small`: a 3.4M-parameter model for quality comparisons.
+# seconds on one CPU core. `small`: a 3.2M-parameter model for quality comparisons.
 #
 # Both presets use outer lr 1, no momentum. Measured (actors.local, 4 learners at step times 1.0,
 # 1.07, 1.13, 1.2, 50 steps each, tiny model): K=1 with the spec's η=0.7, μ=0.9 ends at eval loss

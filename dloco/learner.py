@@ -73,7 +73,6 @@ class LearnerCore:
       versions: their versions v_p.
       stream: this learner's token stream (positioned at its resume cursor).
       step: the local step counter t to resume from (drives the inner lr schedule).
-      batch_size: tokens rows per step; defaults to ``cfg.inner.batch_size``.
     """
 
     def __init__(
