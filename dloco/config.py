@@ -313,10 +313,43 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class ChaosConfig:
-    """Seeded failure injection (filled in by the chaos work; off by default)."""
+    """Seeded fault injection (ALGORITHM.md §10): the same `seed` gives the same schedule for every
+    algorithm, so one schedule can be replayed against dp, elastic_dp, diloco, streaming and decoupled.
 
-    enabled: bool = False
+    Times are seconds of run wall time (from the run's start). Per learner, failures (real process
+    kills; Ray restarts the actor) arrive as a renewal process with Exponential(`mtbf_s`) gaps, and
+    freezes (alive but silent for `freeze_s`) with Exponential(`freeze_mtbf_s`) gaps; none before
+    `warmup_s`. `stragglers` learners (a seeded choice) run every step `straggler_factor` times
+    slower; every learner's step is further multiplied by U(1, 1 + `jitter`), drawn per step. Each
+    push is lost on the wire with probability `payload_loss` (blocking algorithms resend it after
+    `resend_s`). The syncer and the store are killed at the listed times. 0 turns a fault off.
+    """
+
     seed: int = 0
+    mtbf_s: float = 0.0
+    freeze_mtbf_s: float = 0.0
+    freeze_s: float = 5.0
+    warmup_s: float = 0.0
+    stragglers: int = 0
+    straggler_factor: float = 1.0
+    jitter: float = 0.0
+    payload_loss: float = 0.0
+    resend_s: float = 1.0
+    syncer_kills_s: tuple[float, ...] = ()
+    store_kills_s: tuple[float, ...] = ()
+    horizon_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for n in ("mtbf_s", "freeze_mtbf_s", "warmup_s", "jitter"):
+            _check(getattr(self, n) >= 0, f"chaos.{n}", getattr(self, n), "must be >= 0 (0: off)")
+        _positive("chaos", self, "freeze_s", "resend_s", "horizon_s")
+        _check(self.stragglers >= 0, "chaos.stragglers", self.stragglers, "must be >= 0")
+        _check(self.straggler_factor >= 1, "chaos.straggler_factor", self.straggler_factor, "must be >= 1")
+        _check(0 <= self.payload_loss < 1, "chaos.payload_loss", self.payload_loss, "must be in [0, 1)")
+        for n in ("syncer_kills_s", "store_kills_s"):
+            times = getattr(self, n)
+            object.__setattr__(self, n, tuple(float(t) for t in times))
+            _check(all(t > 0 for t in getattr(self, n)), f"chaos.{n}", times, "times must be > 0 seconds")
 
 
 @dataclass(frozen=True)
@@ -435,6 +468,9 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         value = float(value)
     elif tp is str:
         _check(isinstance(value, str), name, value, "must be a string")
+    elif origin is tuple and not dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        _check(isinstance(value, list | tuple), name, value, "must be a list")
+        value = tuple(_coerce(f"{name}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value))
     elif origin is tuple and dataclasses.is_dataclass(typing.get_args(tp)[0]):
         _check(isinstance(value, list | tuple), name, value, "must be a list of mappings")
         item = typing.get_args(tp)[0]
