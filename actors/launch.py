@@ -7,6 +7,12 @@ take their group's resources (``num_cpus``, ``num_gpus``, custom resources such 
 label). A supervisor thread in the driver drains the actors' events into ``metrics.jsonl``,
 evaluates the global model every `metrics.eval_every_s`, and stops the run at its token or time
 budget; ``summary.json`` is written at the end.
+
+Chaos (ALGORITHM.md §10): an injector thread in the driver carries out the seeded schedule of
+`dloco.chaos.schedule` on the run's wall clock — real kills of learner, syncer and store processes
+(Ray restarts them; the downtime is what a restart really costs) and freezes — and logs every
+fault as a ``fault`` event with its time, whether it was carried out or skipped and why. Manual
+faults (`kill_learner`, `freeze_learner`, ...) are logged the same way with ``source: manual``.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import ray
 from actors.learner import Learner
 from actors.store import FragmentStore
 from actors.syncer import Syncer
-from dloco import build, inner, metrics
+from dloco import build, chaos, inner, metrics
 from dloco.config import RunConfig
 
 
@@ -117,6 +123,8 @@ class RunHandle:
         self._eval = inner.make_eval_step(bp.model, self._mesh)
         self._eval_set = build.eval_set(cfg, bp.corpus)
         self.summary: dict[str, Any] | None = None
+        self._down: dict[int, float] = {}  # learner → time of the kill it has not yet come back from
+        self.schedule = chaos.schedule(cfg.chaos, cfg.learners.count)
 
         opts = {
             "namespace": self.namespace,
@@ -133,8 +141,19 @@ class RunHandle:
         self._record({"event": "eval", "time": time.time(), "loss": self.eval_loss_start, "tokens": 0})
         for m in range(cfg.learners.count):
             self._spawn(m)
+        self._record(
+            {
+                "event": "chaos",
+                "time": time.time(),
+                "seed": cfg.chaos.seed,
+                "faults": len(self.schedule),
+                "stragglers": sorted(chaos.stragglers(cfg.chaos, cfg.learners.count)),
+            }
+        )
         self._thread = threading.Thread(target=self._supervise, name="dloco-supervisor", daemon=True)
         self._thread.start()
+        self._injector = threading.Thread(target=self._inject, name="dloco-chaos", daemon=True)
+        self._injector.start()
 
     # ---- learners ----------------------------------------------------------------------------
     def _spawn(self, m: int) -> None:
@@ -158,18 +177,49 @@ class RunHandle:
         self.learners[m] = actor
         self.runs[m] = actor.run.remote(self.cfg.budget.steps or None)
 
+    # ---- faults ------------------------------------------------------------------------------
+    def _inject(self) -> None:
+        """Carries out the seeded schedule at its times until the run stops."""
+        for f in self.schedule:
+            if self._stop_requested.wait(max(0.0, self.started + f.at - time.time())) or self._done.is_set():
+                return
+            self._fault(f.target, f.kind, f.duration, source="schedule", at=f.at)
+
+    def _fault(self, target: str, kind: str, duration: float = 0.0, source: str = "manual", at=None) -> dict:
+        e = {"event": "fault", "time": time.time(), "target": target, "kind": kind, "source": source}
+        if at is not None:
+            e["at"] = at
+        if kind == "freeze":
+            e["duration"] = duration
+        if target.startswith("learner-"):
+            m = int(target.split("-")[1])
+            if m not in self.learners:
+                e["skipped"] = "learner not running"
+            elif m in self._down:
+                e["skipped"] = "learner still down from an earlier kill"
+            elif kind == "kill":
+                self._down[m] = e["time"]
+                ray.kill(self.learners[m], no_restart=False)
+            else:
+                self.learners[m].freeze.remote(duration)
+        else:
+            ray.kill(self.store if target == "store" else self.syncer, no_restart=False)
+        self._record(e)
+        return e
+
     def kill_learner(self, m: int) -> None:
         """Kills learner m's process (as a preemption would); Ray restarts it and it rejoins."""
-        self._record({"event": "kill", "time": time.time(), "target": f"learner-{m}"})
-        ray.kill(self.learners[m], no_restart=False)
+        self._fault(f"learner-{m}", "kill")
+
+    def freeze_learner(self, m: int, seconds: float) -> None:
+        """Learner m stays alive but silent (no steps, pushes or polls) for `seconds`."""
+        self._fault(f"learner-{m}", "freeze", seconds)
 
     def kill_store(self) -> None:
-        self._record({"event": "kill", "time": time.time(), "target": "store"})
-        ray.kill(self.store, no_restart=False)
+        self._fault("store", "kill")
 
     def kill_syncer(self) -> None:
-        self._record({"event": "kill", "time": time.time(), "target": "syncer"})
-        ray.kill(self.syncer, no_restart=False)
+        self._fault("syncer", "kill")
 
     def add_learners(self, n: int) -> list[int]:
         """Starts `n` more learners with new ids (each reads its own data shard)."""
@@ -222,6 +272,8 @@ class RunHandle:
 
     def _record(self, e: dict[str, Any]) -> None:
         e = {**e, "t": e.get("time", time.time()) - self.started}
+        if e["event"] == "learner_restart":
+            self._down.pop(e["learner"], None)
         with self._lock:
             self.events.append(e)
             self._metrics_file.write(json.dumps(e, default=str) + "\n")
@@ -240,9 +292,16 @@ class RunHandle:
                         self._record(e)
                 except ray.exceptions.RayError:
                     pass  # it died: its events since the last drain died with it
-        refs = {m: a.status.remote() for m, a in list(self.learners.items())}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=2.0)
-        for m, ref in refs.items():
+        refs = {m: (a.status.remote(), a.drain_events.remote()) for m, a in list(self.learners.items())}
+        flat = [r for pair in refs.values() for r in pair]
+        ready, _ = ray.wait(flat, num_returns=len(flat), timeout=2.0)
+        for m, (ref, events_ref) in refs.items():
+            if events_ref in ready:
+                try:
+                    for e in ray.get(events_ref):
+                        self._record(e)
+                except ray.exceptions.RayError:
+                    pass  # it died: its events since the last drain died with it
             if ref in ready:
                 try:
                     s = ray.get(ref)
@@ -279,6 +338,7 @@ class RunHandle:
             self._finish()
 
     def _finish(self) -> None:
+        self._stop_requested.set()  # no scheduled fault after this point
         for a in self.learners.values():
             a.stop.remote()
         ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=60)
@@ -290,17 +350,28 @@ class RunHandle:
         self._record({"event": "eval", "time": end, "loss": end_loss, "tokens": self.tokens_trained()})
         store = ray.get(self.store.summary.remote())
         events = self.metrics()
-        merged = metrics.tokens_merged(store["tokens_merged"])
+        per_learner = metrics.learner_time(events, end, self._bp.plan.count)
+        merged = sum(v["merged_tokens"] for v in per_learner.values())
         trained = self.tokens_trained()
         statuses = list(self.status_by.values())
+        faults = [e for e in events if e["event"] == "fault"]
+        down = [d["downtime_s"] for d in metrics.downtimes(events) if d["downtime_s"] is not None]
         self.summary = {
+            "algorithm": self.cfg.algorithm,
             "eval_loss_start": self.eval_loss_start,
             "eval_loss_end": end_loss,
             "tokens_trained": trained,
             "tokens_merged": merged,
-            "goodput": merged / trained if trained else 0.0,
+            "tokens_merged_ratio": merged / trained if trained else 0.0,
+            "goodput": metrics.goodput(events, end, self._bp.plan.count),
+            "learner_time": per_learner,
+            "faults": len([f for f in faults if not f.get("skipped")]),
+            "faults_skipped": len([f for f in faults if f.get("skipped")]),
+            "downtime_s": sorted(down),
+            "longest_commit_gaps_s": metrics.longest_commit_gaps(events, self.started, end),
+            "payloads_lost": sum(e["event"] == "payload_lost" for e in events),
             "uptime": metrics.uptime(
-                metrics.commit_times(events), self.started, end, self.cfg.metrics.stall_threshold_s
+                metrics.commit_times(events), self.started, end, self.cfg.metrics.stall_threshold_s, self._bp.plan.count
             ),
             "merges": sum(e["event"] == "merge" for e in events),
             "rejected": sum(e["event"] == "rejection" for e in events),

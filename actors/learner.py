@@ -8,6 +8,11 @@ sends the pushes that fell due as compressed payloads put into the object store.
 
 On (re)start it registers with the store (new incarnation), installs the latest fragments and
 resumes its data stream from its merged cursor; the retried `run` call then continues the loop.
+
+Chaos (`dloco.chaos`, decided by the config's seed, carried out here because only the learner
+can do it): a straggler's step and every step's jitter are slept out after the step; a push drawn
+as lost is never sent (blocking algorithms resend it after `chaos.resend_s`, as a transport
+would); `freeze(seconds)` keeps the learner alive but silent. Each of these is logged as an event.
 """
 
 from __future__ import annotations
@@ -15,14 +20,16 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections import deque
 
 import ray
 from ray.exceptions import RayError
 
-from dloco import build, inner
+from dloco import build, chaos, inner
 from dloco.config import from_dict
 from dloco.data import Cursor
 from dloco.learner import Delivery, LearnerCore
+from dloco.metrics import typical_cycle
 from dloco.policy import Ema
 
 
@@ -52,6 +59,11 @@ class Learner:
         )
         groups = self.cfg.learners.expand()
         self.slowdown = groups[min(learner_id, len(groups) - 1)].slowdown
+        self.straggler = learner_id in chaos.stragglers(self.cfg.chaos, self.cfg.learners.count)
+        self.cycles: deque[float] = deque(maxlen=64)  # seconds per step, waits included
+        self._events: list[dict] = []
+        self._lost: list[tuple[float, object]] = []  # blocking algorithms: (lost at, push) to resend
+        self._frozen_until = 0.0
         self.start_step = reg.step
         self.step_time = Ema(0.9)
         self.loss = Ema(0.9)
@@ -68,29 +80,83 @@ class Learner:
 
     def run(self, max_steps: int | None = None) -> dict:
         """Trains until `stop()` (or `max_steps` local steps); returns the final status."""
-        core = self.core
+        core, last = self.core, None
         while not self._stop.is_set() and (max_steps is None or core.step_count < max_steps):
+            self._wait_while_frozen()
             self._receive(block=False)
             core.apply_inbox()
-            while core.waiting_for() and not self._stop.is_set():  # blocking baselines only
-                self._receive(block=True)
+            while core.waiting_for() and not self._stop.is_set():  # blocking algorithms only
+                self._resend_lost()
+                self._receive(block=True, timeout=self.cfg.chaos.resend_s)
                 core.apply_inbox()
             t0 = time.perf_counter()
-            metrics, pushes = core.step(step_time=self.step_time.value or 0.0)
-            if self.slowdown > 1:
-                time.sleep((self.slowdown - 1) * (time.perf_counter() - t0))
+            cycle = typical_cycle(self.cycles)
+            metrics, pushes = core.step(step_time=self.step_time.value or 0.0, cycle_time=cycle)
+            factor = self.slowdown * chaos.step_factor(self.cfg.chaos, self.learner_id, core.step_count, self.straggler)
+            if factor > 1:
+                time.sleep((factor - 1) * (time.perf_counter() - t0))
+            t1 = time.perf_counter()
             if core.step_count > self.start_step + 1:  # the first step of an incarnation compiles
-                self.step_time.update(time.perf_counter() - t0)
+                self.step_time.update(t1 - t0)
+                self.cycles.append(t1 - last)
+            last = t1
             self.loss.update(metrics["loss"])
             for push in pushes:
-                meta = dataclasses.replace(push.meta, sent_at=time.time())
-                self.syncer.push.remote(meta, [ray.put(push.payload)])
-                self.pushes += 1
-                self.bytes_out += push.nbytes
+                m = push.meta
+                if chaos.payload_lost(self.cfg.chaos, m.learner_id, m.incarnation, m.step, m.fragment_id):
+                    self._events.append(
+                        {
+                            "event": "payload_lost",
+                            "time": time.time(),
+                            "learner": m.learner_id,
+                            "fragment": m.fragment_id,
+                            "step": m.step,
+                            "bytes": push.nbytes,
+                        }
+                    )
+                    if core.blocking:
+                        self._lost.append((time.monotonic(), push))
+                    continue
+                self._send(push)
         return self.status()
 
-    def _receive(self, block: bool) -> None:
-        """Installs merged fragments that have arrived; with `block`, waits until some arrive."""
+    def _send(self, push) -> None:
+        meta = dataclasses.replace(push.meta, sent_at=time.time())
+        self.syncer.push.remote(meta, [ray.put(push.payload)])
+        self.pushes += 1
+        self.bytes_out += push.nbytes
+
+    def _resend_lost(self) -> None:
+        """Blocking algorithms: a lost push is sent again `chaos.resend_s` after it was lost."""
+        now, keep = time.monotonic(), []
+        for lost_at, push in self._lost:
+            if now - lost_at < self.cfg.chaos.resend_s:
+                keep.append((lost_at, push))
+                continue
+            self._events.append(
+                {
+                    "event": "payload_resent",
+                    "time": time.time(),
+                    "learner": self.learner_id,
+                    "fragment": push.meta.fragment_id,
+                    "step": push.meta.step,
+                }
+            )
+            self._send(push)
+        self._lost = keep
+
+    def _wait_while_frozen(self) -> None:
+        while time.time() < self._frozen_until and not self._stop.is_set():
+            time.sleep(0.02)
+
+    def freeze(self, seconds: float) -> None:
+        """Chaos: alive but silent (no steps, pushes or polls) for `seconds` from now."""
+        self._frozen_until = max(self._frozen_until, time.time() + seconds)
+
+    def _receive(self, block: bool, timeout: float | None = None) -> None:
+        """Installs merged fragments that have arrived; with `block`, waits until some arrive
+        (or `timeout` seconds have passed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._poll is None:
                 self._poll = self.store.updates.remote(list(self.core.version))
@@ -110,7 +176,7 @@ class Learner:
                 self.core.receive(Delivery(p, version, values, included.get(self.learner_id)))
                 self.installs += 1
                 self.bytes_in += sum(v.nbytes for v in values.values())
-            if updates or not block:
+            if updates or not block or (deadline is not None and time.monotonic() >= deadline):
                 return
             time.sleep(0.005)
 
@@ -125,6 +191,8 @@ class Learner:
             "tokens_this_incarnation": (c.step_count - self.start_step) * c.tokens_per_step,
             "loss": self.loss.value,
             "step_time": self.step_time.value,
+            "cycle_time": typical_cycle(self.cycles),
+            "frozen": time.time() < self._frozen_until,
             "pushes": self.pushes,
             "installs": self.installs,
             "bytes_out": self.bytes_out,
@@ -133,6 +201,10 @@ class Learner:
             "created_at": self.created_at,
             "node": self.node,
         }
+
+    def drain_events(self) -> list[dict]:
+        events, self._events = self._events, []
+        return events
 
     def stop(self) -> None:
         self._stop.set()

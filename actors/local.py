@@ -122,7 +122,7 @@ def run_local(
                     raise RuntimeError(f"local commit rejected: {result.reason}")
                 syncer.committed(outcome, sync_time)
                 run.events.append({**outcome.event, "time": now})
-                included = {mp.learner_id: mp.step for mp in outcome.commit.merged}
+                included = {m: e["step"] for m, e in store.last_merged(p).items()}
                 for m in range(M):
                     d = Delivery(p, result.version, outcome.commit.values, included.get(m))
                     heapq.heappush(deliveries, (now + sync_time, m, seq, d))

@@ -76,19 +76,25 @@ class FragmentStore:
     def commit(self, c: Commit) -> CommitResult:
         result = self.core.commit(c)
         if result.accepted:
-            included = {mp.learner_id: mp.step for mp in c.merged}
-            self._published[c.fragment_id] = (result.version, ray.put(c.values), included)
+            self._published[c.fragment_id] = (result.version, ray.put(c.values), self._merged_steps(c.fragment_id))
         return result
 
+    def _merged_steps(self, p: int) -> dict[int, int]:
+        """learner → step of its last push merged into fragment p (from the ledger).
+
+        A learner that polls less often than versions advance still learns which of its pushes
+        reached the fragment, even when the newest commit did not include it.
+        """
+        return {m: e["step"] for m, e in self.core.last_merged(p).items()}
+
     def updates(self, known: list[int]) -> list[tuple[int, int, list[ray.ObjectRef], dict[int, int]]]:
-        """Fragments newer than `known` versions: (p, version, [values ref], included learner steps)."""
+        """Fragments newer than `known` versions: (p, version, [values ref], last merged step per learner)."""
         out = []
         for p, v in enumerate(self.core.versions):
             if v > known[p]:
                 pub = self._published.get(p)
                 if pub is None or pub[0] != v:  # restarted store: publish the restored fragment again
-                    ledger = self.core.last_merged(p)
-                    pub = (v, ray.put(self.core.fragment(p)[1]), {m: e["step"] for m, e in ledger.items()})
+                    pub = (v, ray.put(self.core.fragment(p)[1]), self._merged_steps(p))
                     self._published[p] = pub
                 out.append((p, pub[0], [pub[1]], pub[2]))
         return out

@@ -77,7 +77,7 @@ def eval_set(cfg: RunConfig, c: data.Corpus) -> list[np.ndarray]:
 
 def initial_outer(cfg: RunConfig, bp: Blueprint) -> list[list[np.ndarray]]:
     """s_p⁰ (zero momentum) per fragment, as numpy leaves for the store."""
-    return [outer.state_to_numpy(outer.init(cfg.outer, f)) for f in bp.initial]
+    return [outer.state_to_numpy(outer.init(outer.outer_config(cfg), f)) for f in bp.initial]
 
 
 def learner_batch_size(cfg: RunConfig, learner_id: int) -> int:

@@ -175,9 +175,10 @@ class SyncerConfig:
     max_norm_ratio: float = 10.0
     norm_warmup: int = 8
     ema_decay: float = 0.9
+    elastic_timeout_s: float = 2.0  # elastic_dp: wait this long for a missing learner, then drop it
 
     def __post_init__(self) -> None:
-        _positive("syncer", self, "quorum", "max_norm_ratio")
+        _positive("syncer", self, "quorum", "max_norm_ratio", "elastic_timeout_s")
         _check(self.grace_factor >= 0, "syncer.grace_factor", self.grace_factor, "must be >= 0")
         _check(self.max_grace_steps >= 0, "syncer.max_grace_steps", self.max_grace_steps, "must be >= 0")
         _check(self.max_staleness >= 0, "syncer.max_staleness", self.max_staleness, "must be >= 0")
@@ -375,7 +376,29 @@ class BudgetConfig:
         )
 
 
-ALGORITHMS = ("decoupled", "diloco", "streaming")
+ALGORITHMS = ("decoupled", "diloco", "streaming", "dp", "elastic_dp")
+DP_ALGORITHMS = ("dp", "elastic_dp")
+# Algorithms in which a learner waits for merges (ALGORITHM.md §9); their quorum K defaults to M.
+BLOCKING_ALGORITHMS = ("diloco", "streaming", *DP_ALGORITHMS)
+
+# What each baseline implies (ALGORITHM.md §9), applied over the preset and under the user's values
+# (so a conflicting explicit value fails validation with a message, never silently wins).
+# dp: one fragment sent every step (H = 1, P = 1, τ = 0) holding the full fp32 gradient, averaged
+# by tokens; every learner installs the same AdamW update (see `dloco.outer`).
+_DP = {
+    "sync": {"every": 1, "overlap": 0},
+    "fragments": {"count": 1},
+    "compression": {"dtype": "fp32", "error_feedback": False},
+    "merge": {"rule": "mean"},
+    "syncer": {"grace_factor": 0.0, "max_staleness": 0},
+    "learner": {"receive": "overwrite"},
+}
+ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "dp": _DP,
+    "elastic_dp": _DP,
+    "diloco": {"fragments": {"count": 1}, "syncer": {"grace_factor": 0.0}},
+    "streaming": {"syncer": {"grace_factor": 0.0}},
+}
 
 
 @dataclass(frozen=True)
@@ -414,10 +437,27 @@ class RunConfig:
         _check(
             self.data.shards >= M, "learners.count", M, f"must be <= data.shards={self.data.shards} (one shard each)"
         )
-        if self.algorithm in ("diloco", "streaming"):
+        if self.algorithm in BLOCKING_ALGORITHMS:
             _check(K == M, "syncer.quorum", K, f"must equal learners.count={M} for algorithm={self.algorithm} (K = M)")
         if self.algorithm == "diloco":
             _check(P == 1, "fragments.count", P, "must be 1 for algorithm=diloco (use streaming for P > 1)")
+        if self.algorithm in DP_ALGORITHMS:
+            a = self.algorithm
+            _check(H == 1, "sync.every", H, f"must be 1 for algorithm={a} (a gradient exchange every step)")
+            _check(P == 1, "fragments.count", P, f"must be 1 for algorithm={a} (the whole gradient at once)")
+            _check(tau == 0, "sync.overlap", tau, f"must be 0 for algorithm={a} (lock-step)")
+            _check(
+                self.learner.receive == "overwrite",
+                "learner.receive",
+                self.learner.receive,
+                f"must be overwrite for algorithm={a} (every learner installs the same update)",
+            )
+            _check(
+                self.syncer.max_staleness == 0,
+                "syncer.max_staleness",
+                self.syncer.max_staleness,
+                f"must be 0 for algorithm={a} (a gradient applies only to the model it was computed on)",
+            )
         _check(
             self.compression.publish == "full",
             "compression.publish",
@@ -535,7 +575,13 @@ def from_dict(values: Mapping[str, Any]) -> RunConfig:
     """Builds a `RunConfig` from nested plain values on top of the named preset (default tiny)."""
     preset = values.get("preset", "tiny")
     _check(preset in PRESETS, "preset", preset, f"must be one of {', '.join(PRESETS)}")
-    return _build(RunConfig, _merge(PRESETS[preset], values), "")
+    algorithm = values.get("algorithm", "decoupled")
+    _check(algorithm in ALGORITHMS, "algorithm", algorithm, f"must be one of {', '.join(ALGORITHMS)}")
+    merged = _merge(_merge(PRESETS[preset], ALGORITHM_DEFAULTS.get(algorithm, {})), values)
+    if algorithm in BLOCKING_ALGORITHMS and "quorum" not in merged.get("syncer", {}):
+        learners = _build(LearnersConfig, merged.get("learners", {}), "learners.")
+        merged = _merge(merged, {"syncer": {"quorum": learners.count}})  # K = M unless set
+    return _build(RunConfig, merged, "")
 
 
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:

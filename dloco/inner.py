@@ -125,6 +125,22 @@ def make_train_step(model: Any, cfg: InnerConfig, mesh: Mesh) -> Callable:
     )
 
 
+def make_grad_step(model: Any, mesh: Mesh) -> Callable:
+    """Returns ``grad_step(params, batch) -> (grads, metrics)``, jitted: the mean-loss gradient on
+    `batch` without applying it (the data-parallel baselines send it; ALGORITHM.md §9)."""
+    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
+
+    def grad_step(params, batch):
+        def loss_fn(p):
+            total, count = lm_loss(model, p, batch)
+            return total / count
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return grads, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    return jax.jit(grad_step, in_shardings=(replicated, sharded), out_shardings=(replicated, replicated))
+
+
 def make_eval_step(model: Any, mesh: Mesh) -> Callable:
     """Returns ``eval_step(params, batch) -> (loss_sum, count)``, jitted and data-parallel."""
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))

@@ -13,6 +13,9 @@ its last push. `step()` never blocks: it trains one batch and returns the pushes
                push of this learner (counters unchanged)
 
 A push carries δ_p = anchor_p − θ_p (compressed with error feedback) and `ContributionMeta`.
+Data-parallel baselines (`algorithm: dp | elastic_dp`, §9): `step()` computes the gradient g of
+the batch at θ (= the installed global Θ) without applying it and pushes g every step; the merged
+update Θ ← AdamW(Θ, mean g) comes back and is installed before the next step (blocking, τ = 0).
 The Ray actor in `actors/learner.py` is a thin wrapper around this class.
 """
 
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dloco import compress, inner
-from dloco.config import RunConfig
+from dloco.config import BLOCKING_ALGORITHMS, DP_ALGORITHMS, RunConfig
 from dloco.data import Cursor, TokenStream
 from dloco.fragments import FragmentPlan
 from dloco.policy import ContributionMeta
@@ -45,7 +48,8 @@ class Push:
 @dataclass(frozen=True)
 class Delivery:
     """A merged fragment Θ'_p at `version` that reached the learner; `included_step` is the step
-    of this learner's push that the merge included (None if it included none)."""
+    of this learner's last push merged into fragment p by this or an earlier version (the store's
+    ledger; None if none was), so a learner that skipped versions still knows what was merged."""
 
     fragment_id: int
     version: int
@@ -90,7 +94,11 @@ class LearnerCore:
     ) -> None:
         self.cfg, self.learner_id, self.incarnation = cfg, learner_id, incarnation
         self.plan, self.mesh, self.stream = plan, mesh, stream
-        self._train_step = inner.make_train_step(model, cfg.inner, mesh)
+        self.dp = cfg.algorithm in DP_ALGORITHMS
+        if self.dp:
+            self._grad_step = inner.make_grad_step(model, mesh)
+        else:
+            self._train_step = inner.make_train_step(model, cfg.inner, mesh)
         params = plan.join([{n: np.asarray(a, np.float32) for n, a in f.items()} for f in fragments])
         self.state = inner.init_state(params, cfg.inner, mesh)._replace(step=step)
         P = plan.count
@@ -100,10 +108,10 @@ class LearnerCore:
         self.residual: list[dict[str, np.ndarray] | None] = [None] * P
         self.last_push: list[_PushRecord | None] = [None] * P
         self.tokens_per_step = stream.tokens_per_batch
-        self.step_time = 0.0
+        self.step_time = self.cycle_time = 0.0
         # Blocking baselines (§9): after pushing p at step s, the merge is installed at step s + τ
         # exactly, and the learner waits for it there. Decoupled learners install on arrival.
-        self.blocking = cfg.algorithm in ("diloco", "streaming")
+        self.blocking = cfg.algorithm in BLOCKING_ALGORITHMS
         self.inbox: dict[int, Delivery] = {}
         self.outstanding: dict[int, int] = {}  # fragment → step of a push still awaiting its merge
 
@@ -115,40 +123,54 @@ class LearnerCore:
     def cursor(self) -> Cursor:
         return self.stream.cursor
 
-    def step(self, step_time: float | None = None) -> tuple[dict[str, float], list[Push]]:
+    def step(
+        self, step_time: float | None = None, cycle_time: float | None = None
+    ) -> tuple[dict[str, float], list[Push]]:
         """One inner AdamW step on the next batch; returns its metrics and the pushes now due.
 
         `step_time` is the caller's measure of seconds per step (wall or virtual clock); it
-        travels in the pushes' metadata and feeds the syncer's ξ_step.
+        travels in the pushes' metadata and feeds the syncer's ξ_step. `cycle_time` (seconds per
+        step including waits for merges; default `step_time`) feeds the goodput accounting.
         """
         if step_time is not None:
             self.step_time = float(step_time)
+        self.cycle_time = self.step_time if cycle_time is None else float(cycle_time)
         batch = inner.shard_batch(self.stream.next_batch(), self.mesh)
-        params, opt_state, metrics = self._train_step(self.state.params, self.state.opt_state, batch, self.state.step)
-        self.state = inner.TrainState(params, opt_state, self.state.step + 1)
+        grads = None
+        if self.dp:
+            grads, metrics = self._grad_step(self.state.params, batch)
+            self.state = self.state._replace(step=self.state.step + 1)
+        else:
+            params, opt_state, metrics = self._train_step(
+                self.state.params, self.state.opt_state, batch, self.state.step
+            )
+            self.state = inner.TrainState(params, opt_state, self.state.step + 1)
         for p in range(self.plan.count):
             self.c_tok[p] += self.tokens_per_step
             self.c_steps[p] += 1
         out = {k: float(v) for k, v in metrics.items()}
         pushes = []
         for p in self.plan.due(self.state.step, self.cfg.sync.every):
-            push = self._push(p)
+            push = self._push(p, grads)
             if push is None:
                 out["diverged_fragment"] = p
             else:
                 pushes.append(push)
         return out, pushes
 
-    def _push(self, p: int) -> Push | None:
+    def _push(self, p: int, grads=None) -> Push | None:
         theta = self.plan.extract(self.state.params, p)
-        if not all(np.isfinite(x).all() for x in theta.values()):
+        if grads is None:
+            pseudo_grad = {n: self.anchor[p][n] - x for n, x in theta.items()}  # δ = anchor − θ
+        else:
+            pseudo_grad = self.plan.extract(grads, p)  # dp: the gradient itself
+        if not all(np.isfinite(x).all() for x in (*theta.values(), *pseudo_grad.values())):
             # Local training diverged: nothing to send; restart this fragment from the global one.
             self._reset_fragment(p)
             return None
         cfg = self.cfg.compression
         payload, residual = {}, {}
-        for n, x in theta.items():
-            delta = self.anchor[p][n] - x  # pseudo-gradient δ = anchor − θ
+        for n, delta in pseudo_grad.items():
             e = self.residual[p][n] if (cfg.error_feedback and self.residual[p] is not None) else None
             payload[n], residual[n] = compress.encode_with_feedback(delta, e, cfg.dtype, cfg.block)
         if cfg.error_feedback:
@@ -166,6 +188,7 @@ class LearnerCore:
             step=self.state.step,
             step_time=self.step_time,
             cursor=self.stream.cursor.to_dict(),
+            cycle_time=self.cycle_time,
         )
         return Push(meta, payload)
 
@@ -210,8 +233,8 @@ class LearnerCore:
     ) -> None:
         """Installs merged fragment Θ'_p of `version` by `learner.receive` (module docstring).
 
-        `included_step` is the local step of this learner's push that the merge included, or
-        None if the merge included no push of this learner.
+        `included_step` is the local step of this learner's last push merged into fragment p (by
+        this or an earlier version), or None; the pending push counts as merged iff it is that one.
         """
         p = fragment_id
         if version <= self.version[p]:

@@ -1,16 +1,43 @@
-"""Run accounting from events (ALGORITHM.md §8): uptime, tokens merged, and the end-of-run table.
+"""Run accounting from events (ALGORITHM.md §8): goodput, uptime, downtime, and the end-of-run table.
 
-Pure functions over the event dicts a run writes to ``metrics.jsonl``.
+Pure functions over the event dicts a run writes to ``metrics.jsonl``, so every number in a
+summary can be recomputed from the file.
+
+Goodput = learner-time whose progress was merged ÷ learner-time provisioned:
+
+    provisioned_m = end − (time learner m first registered)         (dead, restarting, compiling,
+                                                                      frozen and discarded time included)
+    merged_m      = Σ_{merges of any fragment} new_steps_m · cycle_m / P
+    goodput       = Σ_m merged_m / Σ_m provisioned_m
+
+`new_steps_m` counts the steps of m's merged push (its c_steps up to its step t) that were not
+merged into that fragment before (`learner_time`), and `cycle_m` is the learner's typical seconds
+per step at that push (`typical_cycle`: waits for merges included, stalled steps left out); a
+step's progress reaches the model fragment by fragment, hence the mean over the P fragments.
+
+Decision: the typical cycle, not each step's own duration, values a merged step, so the normal
+cost of a synchronous step (its all-reduce) counts as productive while a step stretched by a stall
+(a lock-step peer dead or frozen) counts only its normal length; steps never merged (lost with a
+killed learner, overwritten after an install, trained after the run's last merge) count nothing.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 
-def uptime(commit_times: Mapping[int, Sequence[float]], start: float, end: float, stall_threshold: float) -> float:
+def uptime(
+    commit_times: Mapping[int, Sequence[float]],
+    start: float,
+    end: float,
+    stall_threshold: float,
+    fragments: int | None = None,
+) -> float:
     """Share of [start, end] in which no fragment waited longer than `stall_threshold` for a commit.
+
+    `fragments` (P) makes a fragment that never committed count as waiting since `start`.
 
     Fragment p stalls during ``[t_prev + threshold, t_next]`` for every gap between consecutive
     commits (the run's start counts as a commit, the run's end closes the last gap). Uptime is
@@ -19,7 +46,8 @@ def uptime(commit_times: Mapping[int, Sequence[float]], start: float, end: float
     if end <= start:
         return 1.0
     stalled: list[tuple[float, float]] = []
-    for times in commit_times.values():
+    every = {p: () for p in range(fragments or 0)} | dict(commit_times)
+    for times in every.values():
         prev = start
         for t in [*sorted(times), end]:
             if t - prev > stall_threshold:
@@ -38,9 +66,88 @@ def uptime(commit_times: Mapping[int, Sequence[float]], start: float, end: float
     return max(0.0, 1.0 - total / (end - start))
 
 
-def tokens_merged(ledger: Mapping[Any, Sequence[int]]) -> float:
-    """Tokens whose progress reached the global model: Σ_m mean_p tokens merged into fragment p."""
-    return float(sum(sum(v) / len(v) for v in ledger.values() if len(v)))
+def typical_cycle(cycles: Sequence[float], outlier: float = 3.0) -> float:
+    """Mean seconds per step over `cycles`, leaving out those longer than `outlier` × their median.
+
+    A stalled step (a lock-step peer dead or frozen, a restart) is far longer than `outlier`
+    normal steps and is left out; ordinary jitter is kept, so the value stays unbiased.
+    """
+    if not cycles:
+        return 0.0
+    med = statistics.median(cycles)
+    kept = [c for c in cycles if c <= outlier * med]
+    return sum(kept) / len(kept)
+
+
+def learner_time(events: Iterable[Mapping[str, Any]], end: float, fragments: int) -> dict[int, dict[str, float]]:
+    """Per learner: ``provisioned`` and ``merged`` seconds and ``merged_tokens`` (module docstring).
+
+    Provisioning starts at the learner's ``learner_start`` event and ends at `end` or at its
+    ``learner_stop`` (it left the run for good). A merged push of learner m at local step s with
+    c_steps = n covers its steps (s − n, s] of that fragment; only steps beyond the highest one
+    already merged into the fragment count, so progress that reached the model twice (a push
+    sent before the previous one's merge was installed) or was retrained after a restart counts once.
+    """
+    out: dict[int, dict[str, float]] = {}
+    merged_to: dict[tuple[int, int], int] = {}  # (learner, fragment) → highest step merged
+    for e in sorted(events, key=lambda e: float(e.get("time", 0.0))):
+        kind = e.get("event")
+        if kind in ("learner_start", "merge"):
+            for m in [e["learner"]] if kind == "learner_start" else e["contributors"]:
+                out.setdefault(int(m), {"start": float(e["time"]), "stop": end, "merged": 0.0, "merged_tokens": 0.0})
+        if kind == "learner_stop" and int(e["learner"]) in out:
+            out[int(e["learner"])]["stop"] = float(e["time"])
+        elif kind == "merge":
+            p = int(e["fragment"])
+            cycles = e.get("cycle_s") or [0.0] * len(e["contributors"])
+            for m, step, n, tok, cycle in zip(
+                e["contributors"], e["steps"], e["inner_steps"], e["tokens"], cycles, strict=True
+            ):
+                hi = merged_to.get((int(m), p), -1)
+                new = max(0, step - max(hi, step - n))
+                merged_to[(int(m), p)] = max(hi, step)
+                out[int(m)]["merged"] += new * cycle / fragments
+                out[int(m)]["merged_tokens"] += new * (tok / n if n else 0.0) / fragments
+    return {
+        m: {"provisioned": max(0.0, v["stop"] - v["start"]), "merged": v["merged"], "merged_tokens": v["merged_tokens"]}
+        for m, v in out.items()
+    }
+
+
+def goodput(events: Iterable[Mapping[str, Any]], end: float, fragments: int) -> float:
+    """Σ merged learner-time ÷ Σ provisioned learner-time (module docstring); 0 if nothing was provisioned."""
+    per = learner_time(events, end, fragments).values()
+    provisioned = sum(v["provisioned"] for v in per)
+    return sum(v["merged"] for v in per) / provisioned if provisioned > 0 else 0.0
+
+
+def downtimes(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each carried-out learner kill with the time until that learner registered again.
+
+    A kill is a ``fault`` event of kind ``kill`` on ``learner-<m>`` that was not skipped; it ends at
+    the next ``learner_restart`` of m (``back`` is None if the run ended first).
+    """
+    out: list[dict[str, Any]] = []
+    open_: dict[int, dict[str, Any]] = {}
+    for e in sorted(events, key=lambda e: float(e.get("time", 0.0))):
+        kind = e.get("event")
+        if kind == "fault" and e.get("kind") == "kill" and str(e.get("target", "")).startswith("learner-"):
+            if not e.get("skipped"):
+                m = int(e["target"].split("-")[1])
+                open_[m] = {"learner": m, "killed": float(e["time"]), "back": None, "downtime_s": None}
+                out.append(open_[m])
+        elif kind == "learner_restart" and int(e["learner"]) in open_:
+            d = open_.pop(int(e["learner"]))
+            d["back"] = float(e["time"])
+            d["downtime_s"] = d["back"] - d["killed"]
+    return out
+
+
+def longest_commit_gaps(events: Iterable[Mapping[str, Any]], start: float, end: float, n: int = 3) -> list[float]:
+    """The `n` longest waits, in seconds, between consecutive commits of the whole model (any fragment)."""
+    times = sorted(t for ts in commit_times(events).values() for t in ts)
+    gaps = [b - a for a, b in zip([start, *times], [*times, end], strict=True)]
+    return sorted(gaps, reverse=True)[:n]
 
 
 def commit_times(events: Iterable[Mapping[str, Any]]) -> dict[int, list[float]]:
@@ -54,12 +161,19 @@ def commit_times(events: Iterable[Mapping[str, Any]]) -> dict[int, list[float]]:
 def table(summary: Mapping[str, Any]) -> str:
     """The short end-of-run table printed by ``dloco train``."""
     s = summary
+    down = s.get("downtime_s") or []
     rows = [
+        ("algorithm", s.get("algorithm", "decoupled")),
         ("eval loss", f"{s['eval_loss_start']:.3f} -> {s['eval_loss_end']:.3f}"),
         ("tokens", f"{s['tokens_trained']:,} trained, {s['tokens_merged']:,.0f} merged"),
         ("merges", f"{s['merges']} (rejected contributions: {s['rejected']})"),
         ("learners", f"{s['learners']} (restarts: {s['restarts']})"),
         ("goodput / uptime", f"{s['goodput']:.3f} / {s['uptime']:.3f}"),
+        (
+            "faults",
+            f"{s.get('faults', 0)} carried out, {s.get('faults_skipped', 0)} skipped"
+            + (f"; learner downtime median {sorted(down)[len(down) // 2]:.1f} s" if down else ""),
+        ),
         ("bytes on the wire", f"{s['bytes_up']:,} up, {s['bytes_down']:,} down"),
         ("wall time", f"{s['wall_time_s']:.1f} s"),
         ("run dir", str(s["run_dir"])),

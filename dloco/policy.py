@@ -36,6 +36,8 @@ class ContributionMeta:
         step_time: the learner's recent seconds per inner step (feeds ξ_step).
         cursor: the learner's data cursor at push time (opaque, JSON-able).
         sent_at: time stamp of the push on the caller's clock.
+        cycle_time: the learner's typical seconds per step including any wait for merges
+            (`dloco.metrics.typical_cycle` of its recent steps), for the goodput of ALGORITHM.md §8.
     """
 
     learner_id: int
@@ -48,6 +50,7 @@ class ContributionMeta:
     step_time: float
     cursor: dict | None = None
     sent_at: float = 0.0
+    cycle_time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -454,6 +457,11 @@ class FragmentRound:
     def pending(self) -> Mapping[int, tuple[ContributionMeta, object]]:
         """Read-only view: learner id → (meta, item)."""
         return types.MappingProxyType(self._pending)
+
+    @property
+    def first_push_at(self) -> float | None:
+        """When this round's first push arrived, or None while it is empty."""
+        return self._first_push_at
 
     @property
     def quorum_time(self) -> float | None:

@@ -8,6 +8,12 @@ values, weight them (w_m = c_tok² / c_steps), merge (RDA or mean), apply the ou
 It holds nothing that cannot be rebuilt from the store: Θ_p, s_p and v_p are loaded from it at
 start and replaced by each acknowledged commit; pending pushes and timing EMAs are soft state.
 Every decision comes back with its reason, for the caller to log as an event.
+
+Data-parallel baselines (§9): `dp` is the same machinery with H = P = 1 and K = M (a dead or
+frozen learner stops every step); contributions are gradients averaged by tokens (w_m = c_tok),
+and the outer step is the inner AdamW (`dloco.outer`). `elastic_dp` closes a round without the
+learners still missing `syncer.elastic_timeout_s` after its first push, drops them (the next
+rounds expect only the others: the reconfiguration) and takes them back with their next push.
 """
 
 from __future__ import annotations
@@ -20,9 +26,18 @@ from typing import Any
 import numpy as np
 
 from dloco import compress, merge, outer
-from dloco.config import RunConfig
+from dloco.config import DP_ALGORITHMS, RunConfig
 from dloco.fragments import FragmentPlan
-from dloco.policy import ContributionMeta, Decision, FragmentRound, NormTracker, SyncerTimings, check_meta, check_values
+from dloco.policy import (
+    ContributionMeta,
+    Decision,
+    FragmentRound,
+    NormTracker,
+    RoundDecision,
+    SyncerTimings,
+    check_meta,
+    check_values,
+)
 from dloco.store import Commit, MergedPush
 
 
@@ -58,12 +73,15 @@ class SyncerCore:
         self.cfg, self.plan, self.embedding = cfg, plan, embedding
         self.version = [v for v, _, _ in fragments]
         self.values = [dict(vals) for _, vals, _ in fragments]
-        self.state = [outer.state_from_numpy(cfg.outer, vals, s) for _, vals, s in fragments]
+        self.state = [outer.state_from_numpy(outer.outer_config(cfg), vals, s) for _, vals, s in fragments]
         self.registry = dict(registry)
         self.rounds = [FragmentRound(p, cfg.syncer.quorum) for p in range(plan.count)]
         self.norms = [NormTracker(warmup=cfg.syncer.norm_warmup) for _ in range(plan.count)]
         self.timings = SyncerTimings(cfg.syncer.ema_decay)
-        self._outer_step = outer.make_outer_step(cfg.outer)
+        self._outer_step = outer.make_outer_step(outer.outer_config(cfg))
+        self.dp, self.elastic = cfg.algorithm in DP_ALGORITHMS, cfg.algorithm == "elastic_dp"
+        self.dropped: set[int] = set()  # elastic_dp: learners the current configuration runs without
+        self._dropping: dict[int, list[int]] = {}  # fragment → learners its closing round dropped
 
     def push(self, meta: ContributionMeta, payload: Any, now: float) -> Decision:
         """Validates a push's metadata and adds it to its fragment's round (`payload` is opaque)."""
@@ -72,6 +90,8 @@ class SyncerCore:
             return Decision(False, f"unknown fragment {p}")
         s = self.cfg.syncer
         d = check_meta(meta, registry=self.registry, current_version=self.version[p], max_staleness=s.max_staleness)
+        if self.registry.get(meta.learner_id) == meta.incarnation:
+            self.dropped.discard(meta.learner_id)  # elastic_dp: a dropped learner is back
         if not d.accept:
             return d
         self.timings.observe_step_time(meta.learner_id, meta.step_time)
@@ -91,12 +111,27 @@ class SyncerCore:
         """Fragments whose round closes now, and the seconds until the next deadline (or None)."""
         grace, due, wait = self.grace(), [], None
         for r in self.rounds:
-            d = r.decide(now, grace, live_learners)
+            d = self._elastic_decide(r, now) if self.elastic else r.decide(now, grace, live_learners)
             if d.close:
                 due.append(r.fragment_id)
             elif d.wait is not None:
                 wait = d.wait if wait is None else min(wait, d.wait)
         return due, wait
+
+    def _expected(self) -> set[int]:
+        return set(self.registry) - self.dropped
+
+    def _elastic_decide(self, r: FragmentRound, now: float) -> RoundDecision:
+        """elastic_dp: close when every expected learner pushed, or `elastic_timeout_s` after the first push."""
+        present, expected = set(r.pending), self._expected()
+        if r.first_push_at is None:
+            return RoundDecision(False, "waiting for the first push", None)
+        if present >= expected:
+            return RoundDecision(True, f"all {len(expected)} expected learners contributed", None)
+        left = r.first_push_at + self.cfg.syncer.elastic_timeout_s - now
+        if left <= 0:
+            return RoundDecision(True, f"reconfiguring without learners {sorted(expected - present)}", None)
+        return RoundDecision(False, f"waiting for learners {sorted(expected - present)}, {left:.3g} s left", left)
 
     def take(self, p: int, now: float) -> tuple[list[tuple[ContributionMeta, Any]], float]:
         """Closes round p: its pending (meta, payload) pairs and the grace time it used.
@@ -107,6 +142,10 @@ class SyncerCore:
         if r.quorum_time is not None:
             self.timings.observe_quorum_time(r.quorum_time)
         grace_used = 0.0 if r.quorum_reached_at is None else max(0.0, now - r.quorum_reached_at)
+        if self.elastic:
+            missing = sorted(self._expected() - set(r.pending))
+            self.dropped.update(missing)
+            self._dropping[p] = missing
         return r.take(), grace_used
 
     def merge(
@@ -158,7 +197,9 @@ class SyncerCore:
             nbytes_in += sum(x.nbytes for x in payload.values())
         if not metas:
             return MergeOutcome(None, {"event": "round_empty", "fragment": p, "version": self.version[p]}, rejections)
-        if self.cfg.merge.weighting == "tokens":
+        if self.dp:  # the global-batch gradient: each learner's mean gradient weighted by its tokens
+            weights = np.asarray([m.tokens for m in metas], np.float64)
+        elif self.cfg.merge.weighting == "tokens":
             weights = merge.token_weights([m.tokens for m in metas], [m.steps for m in metas])
         else:
             weights = np.ones(len(metas))
@@ -185,6 +226,7 @@ class SyncerCore:
             "inner_steps": [m.steps for m in metas],
             "weights": [float(w) for w in np.asarray(weights) / np.sum(weights)],
             "staleness": [self.version[p] - m.base_version for m in metas],
+            "cycle_s": [m.cycle_time for m in metas],
             "grace_s": grace_used,
             "grace_window_s": self.grace(),
             "slack_s": self.slack(),
@@ -192,6 +234,8 @@ class SyncerCore:
             "bytes_out": sum(v.nbytes for v in values.values()),
             "rejected": len(rejections),
         }
+        if self.elastic:
+            event["dropped"] = self._dropping.pop(p, [])
         return MergeOutcome(commit, event, rejections, state)
 
     def committed(self, outcome: MergeOutcome, sync_time: float) -> None:
@@ -204,7 +248,7 @@ class SyncerCore:
     def reload(self, p: int, version: int, values: dict[str, np.ndarray], state: list[np.ndarray]) -> None:
         """Adopt the store's state of fragment p (after a rejected commit or a store restart)."""
         self.version[p], self.values[p] = version, dict(values)
-        self.state[p] = outer.state_from_numpy(self.cfg.outer, values, state)
+        self.state[p] = outer.state_from_numpy(outer.outer_config(self.cfg), values, state)
 
     def update_registry(self, registry: Mapping[int, int]) -> None:
         self.registry = dict(registry)
