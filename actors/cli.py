@@ -1,4 +1,5 @@
-"""The ``dloco`` command: ``dloco train [--config FILE] [--set a.b=c ...] [--address ADDR] [--run-dir DIR]``.
+"""The ``dloco`` command: ``dloco train [--config FILE] [--set a.b=c ...] [--address ADDR] [--run-dir DIR]``
+and ``dloco plot RUN_DIR [RUN_DIR ...] [--out DIR]``.
 
 With no arguments it trains the `tiny` preset with 4 learners on the built-in `stdlib` corpus on
 a local Ray cluster (started and stopped by the command), shows progress, and ends with a table.
@@ -61,6 +62,19 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def plot(args: argparse.Namespace) -> int:
+    from dloco.plot import plot as plot_runs
+
+    try:
+        paths = plot_runs(args.run_dirs, args.out)
+    except ValueError as e:  # a malformed metrics.jsonl; a missing one is a FileNotFoundError (main)
+        print(f"dloco: {e}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dloco", description="Decoupled DiLoCo on Ray.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -71,11 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--run-dir", help="output directory (default: {run_dir}/{date-time})")
     t.add_argument("--resume", action="store_true", help="continue the run already in --run-dir")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    p = sub.add_parser("plot", help="PNG figures of one or more run directories (metrics.jsonl)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
+    p.add_argument("--out", help="output directory (default: RUN_DIR/plots; for several runs, their parent's plots/)")
     args = ap.parse_args(argv)
     from dloco.config import ConfigError
 
     try:
-        return train(args)
+        return plot(args) if args.command == "plot" else train(args)
     except ConfigError as e:
         print(f"dloco: config error: {e}", file=sys.stderr)
     except (FileNotFoundError, FileExistsError, ConnectionError) as e:

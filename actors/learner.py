@@ -153,13 +153,14 @@ class Learner:
         """Chaos: alive but silent (no steps, pushes or polls) for `seconds` from now."""
         self._frozen_until = max(self._frozen_until, time.time() + seconds)
 
-    def _receive(self, block: bool, timeout: float | None = None) -> None:
+    def _receive(self, block: bool, timeout: float = 1.0) -> None:
         """Installs merged fragments that have arrived; with `block`, waits until some arrive
-        (or `timeout` seconds have passed)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        (or `timeout` seconds have passed) in a long poll of the store."""
+        deadline = time.monotonic() + timeout
         while True:
             if self._poll is None:
-                self._poll = self.store.updates.remote(list(self.core.version))
+                wait_s = max(0.0, deadline - time.monotonic()) if block else 0.0
+                self._poll = self.store.updates.remote(list(self.core.version), wait_s)
             ready, _ = ray.wait([self._poll], timeout=None if block else 0)
             if not ready:
                 return
@@ -167,6 +168,7 @@ class Learner:
                 updates = ray.get(self._poll)
             except RayError:  # the store is restarting; ask again next time
                 updates = []
+                time.sleep(0.05)
             self._poll = None
             for p, version, ref, included in updates:
                 try:
@@ -176,9 +178,8 @@ class Learner:
                 self.core.receive(Delivery(p, version, values, included.get(self.learner_id)))
                 self.installs += 1
                 self.bytes_in += sum(v.nbytes for v in values.values())
-            if updates or not block or (deadline is not None and time.monotonic() >= deadline):
+            if updates or not block or time.monotonic() >= deadline:
                 return
-            time.sleep(0.005)
 
     def status(self) -> dict:
         c = self.core
@@ -193,6 +194,7 @@ class Learner:
             "step_time": self.step_time.value,
             "cycle_time": typical_cycle(self.cycles),
             "frozen": time.time() < self._frozen_until,
+            "resyncs": c.resyncs,
             "pushes": self.pushes,
             "installs": self.installs,
             "bytes_out": self.bytes_out,

@@ -1,6 +1,9 @@
 """`FragmentStore`: the Ray actor around `dloco.store.StoreCore` (ALGORITHM.md §1, §8).
 
 A plain class; `actors.launch` wraps it with ``ray.remote(max_restarts=-1, max_task_retries=-1)``.
+Its methods are coroutines that never yield but in `updates`, so Ray runs it as an async actor
+whose calls execute one at a time on its event loop (no locks needed) while `updates` can
+long-poll: a blocked learner waits there until a newer version is committed, instead of polling.
 On (re)start it rebuilds itself from its constructor arguments and its run directory: the newest
 snapshot plus the commit log. Published fragments are put into Ray's object store by this actor,
 so they outlive any learner or syncer; after a store restart they are put again on demand.
@@ -8,6 +11,8 @@ so they outlive any learner or syncer; after a store restart they are put again 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -30,6 +35,7 @@ class FragmentStore:
             self.cfg.store.keep,
         )
         self._published: dict[int, tuple[int, ray.ObjectRef, dict[int, int]]] = {}
+        self._committed: asyncio.Event | None = None  # set (and replaced) at every commit
         self._events: list[dict] = [
             {
                 "event": "store_start",
@@ -39,7 +45,7 @@ class FragmentStore:
             }
         ]
 
-    def register(self, learner_id: int) -> Registration:
+    async def register(self, learner_id: int) -> Registration:
         reg = self.core.register(learner_id)
         kind = "learner_start" if reg.incarnation == 1 else "learner_restart"
         self._events.append(
@@ -54,29 +60,32 @@ class FragmentStore:
         )
         return reg
 
-    def retire(self, learner_id: int) -> None:
+    async def retire(self, learner_id: int) -> None:
         self.core.retire(learner_id)
         self._events.append({"event": "learner_stop", "time": time.time(), "learner": learner_id})
 
-    def registry(self) -> dict[int, int]:
+    async def registry(self) -> dict[int, int]:
         return self.core.live_registry()
 
-    def fragments(self) -> tuple[list[int], list[dict]]:
+    async def fragments(self) -> tuple[list[int], list[dict]]:
         """All current fragments (versions, values), e.g. for a (re)starting learner or evaluation."""
         return self.core.versions, [self.core.fragment(p)[1] for p in range(len(self.core.versions))]
 
-    def fragment(self, p: int) -> tuple[int, dict]:
+    async def fragment(self, p: int) -> tuple[int, dict]:
         return self.core.fragment(p)
 
-    def syncer_state(self) -> tuple[list[tuple[int, dict, list]], dict[int, int]]:
+    async def syncer_state(self) -> tuple[list[tuple[int, dict, list]], dict[int, int]]:
         """What a (re)starting syncer needs: (v_p, Θ_p, s_p) per fragment, and the registry."""
         frs = [(*self.core.fragment(p), self.core.outer_state(p)) for p in range(len(self.core.versions))]
         return frs, self.core.live_registry()
 
-    def commit(self, c: Commit) -> CommitResult:
+    async def commit(self, c: Commit) -> CommitResult:
         result = self.core.commit(c)
         if result.accepted:
             self._published[c.fragment_id] = (result.version, ray.put(c.values), self._merged_steps(c.fragment_id))
+            if self._committed is not None:
+                self._committed.set()
+                self._committed = None
         return result
 
     def _merged_steps(self, p: int) -> dict[int, int]:
@@ -87,8 +96,25 @@ class FragmentStore:
         """
         return {m: e["step"] for m, e in self.core.last_merged(p).items()}
 
-    def updates(self, known: list[int]) -> list[tuple[int, int, list[ray.ObjectRef], dict[int, int]]]:
-        """Fragments newer than `known` versions: (p, version, [values ref], last merged step per learner)."""
+    async def updates(
+        self, known: list[int], wait_s: float = 0.0
+    ) -> list[tuple[int, int, list[ray.ObjectRef], dict[int, int]]]:
+        """Fragments newer than `known` versions: (p, version, [values ref], last merged step per learner).
+
+        With `wait_s` > 0 and nothing newer yet, waits up to that long for the next commit.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            out = self._newer(known)
+            left = deadline - time.monotonic()
+            if out or left <= 0:
+                return out
+            if self._committed is None:
+                self._committed = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._committed.wait(), left)
+
+    def _newer(self, known: list[int]) -> list[tuple[int, int, list[ray.ObjectRef], dict[int, int]]]:
         out = []
         for p, v in enumerate(self.core.versions):
             if v > known[p]:
@@ -99,12 +125,12 @@ class FragmentStore:
                 out.append((p, pub[0], [pub[1]], pub[2]))
         return out
 
-    def summary(self) -> dict:
+    async def summary(self) -> dict:
         return self.core.summary()
 
-    def drain_events(self) -> list[dict]:
+    async def drain_events(self) -> list[dict]:
         events, self._events = self._events, []
         return events
 
-    def ping(self) -> bool:
+    async def ping(self) -> bool:
         return True

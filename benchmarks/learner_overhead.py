@@ -358,7 +358,7 @@ def rejoins(cfg, n: int, timeout: float = 300.0) -> dict:
             )
             entries_before = cache_entries(cache)
             h.kill_learner(1)
-            killed = h.metrics("kill")[-1]["time"]
+            killed = [e for e in h.metrics("fault") if e["kind"] == "kill"][-1]["time"]
             restart = wait_for(
                 lambda inc=inc: [
                     e for e in h.metrics("learner_restart") if e["learner"] == 1 and e["incarnation"] == inc + 1

@@ -10,7 +10,8 @@ its last push. `step()` never blocks: it trains one batch and returns the pushes
     blend:     θ_p ← α·θ_p + (1−α)·Θ'_p; counters reset
     rebase:    θ_p ← Θ'_p + (θ_p − base); base = θ_p at the push this merge included (counters
                keep what was trained after it), or the old anchor if the merge did not include a
-               push of this learner (counters unchanged)
+               push of this learner (counters unchanged); a push still not merged after
+               `syncer.max_staleness` newer versions is given up and the fragment overwritten
 
 A push carries δ_p = anchor_p − θ_p (compressed with error feedback) and `ContributionMeta`.
 Data-parallel baselines (`algorithm: dp | elastic_dp`, §9): `step()` computes the gradient g of
@@ -63,6 +64,7 @@ class _PushRecord:
     theta: dict[str, np.ndarray]  # θ_p at push time (for rebase)
     tokens: int
     steps: int
+    base_version: int
 
 
 class LearnerCore:
@@ -109,6 +111,7 @@ class LearnerCore:
         self.last_push: list[_PushRecord | None] = [None] * P
         self.tokens_per_step = stream.tokens_per_batch
         self.step_time = self.cycle_time = 0.0
+        self.resyncs = 0  # rebase: pending pushes given up (see `install`)
         # Blocking baselines (§9): after pushing p at step s, the merge is installed at step s + τ
         # exactly, and the learner waits for it there. Decoupled learners install on arrival.
         self.blocking = cfg.algorithm in BLOCKING_ALGORITHMS
@@ -175,7 +178,7 @@ class LearnerCore:
             payload[n], residual[n] = compress.encode_with_feedback(delta, e, cfg.dtype, cfg.block)
         if cfg.error_feedback:
             self.residual[p] = residual
-        self.last_push[p] = _PushRecord(self.state.step, theta, self.c_tok[p], self.c_steps[p])
+        self.last_push[p] = _PushRecord(self.state.step, theta, self.c_tok[p], self.c_steps[p], self.version[p])
         if self.blocking:
             self.outstanding[p] = self.state.step
         meta = ContributionMeta(
@@ -242,16 +245,28 @@ class LearnerCore:
         mode, alpha = self.cfg.learner.receive, self.cfg.learner.blend_alpha
         record = self.last_push[p]
         included = record is not None and included_step is not None and included_step == record.step
+        # rebase keeps unmerged progress only while its push can still be merged: a push that
+        # `syncer.max_staleness` newer versions did not include (rejected, lost or too stale) is
+        # given up, or a rejected contribution would keep growing and be rejected forever.
+        given_up = (
+            mode == "rebase"
+            and record is not None
+            and not included
+            and version - record.base_version > self.cfg.syncer.max_staleness
+        )
         if mode == "overwrite":
             new = {n: np.asarray(v, np.float32) for n, v in values.items()}
         else:
             theta = self.plan.extract(self.state.params, p)
             if mode == "blend":
                 new = {n: alpha * theta[n] + (1.0 - alpha) * values[n] for n in values}
+            elif given_up:  # rebase, but the pending push can no longer be merged: resynchronize
+                new = {n: np.asarray(v, np.float32) for n, v in values.items()}
             else:  # rebase
                 base = record.theta if included else self.anchor[p]
                 new = {n: values[n] + (theta[n] - base[n]) for n in values}
-        if mode != "rebase":
+        if mode != "rebase" or given_up:
+            self.resyncs += given_up
             self.c_tok[p] = self.c_steps[p] = 0
             self.last_push[p] = None
         elif included:

@@ -35,3 +35,15 @@ def data_cache(tmp_path_factory):
 def tiny_run(data_cache):
     """Dotted overrides for a tiny, fast run using the session's data cache."""
     return (*TINY_RUN, f"data.cache_dir={data_cache}")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster for one test module (4 CPUs, 512 MiB object store, loopback only)."""
+    import ray
+
+    ray.init(
+        address="local", num_cpus=4, include_dashboard=False, object_store_memory=512 * 1024**2, log_to_driver=False
+    )
+    yield
+    ray.shutdown()

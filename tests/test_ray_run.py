@@ -18,15 +18,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 RUN = ("metrics.eval_every_s=1000", "store.snapshot_every=4", "learners.num_cpus=0.5")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(
-        address="local", num_cpus=4, include_dashboard=False, object_store_memory=512 * 1024**2, log_to_driver=False
-    )
-    yield
-    ray.shutdown()
-
-
 @pytest.fixture
 def cfg_for(tiny_run):
     return lambda *overrides: config.load(overrides=(*tiny_run, *RUN, *overrides))

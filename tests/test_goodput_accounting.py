@@ -1,0 +1,92 @@
+"""Goodput, uptime and downtime from a hand-made event trace (dloco.metrics, ALGORITHM.md §8)."""
+
+import pytest
+
+from dloco import metrics
+
+
+def merge(t, fragment, contributors, steps, inner_steps, tokens, cycles):
+    return {
+        "event": "merge",
+        "time": t,
+        "fragment": fragment,
+        "contributors": contributors,
+        "steps": steps,
+        "inner_steps": inner_steps,
+        "tokens": tokens,
+        "cycle_s": cycles,
+    }
+
+
+# Two learners, P = 2, the run spans [0, 100]. Learner 1 joins at 10, is killed at 50, back at 58
+# and leaves for good at 80. Its second kill at 60 is skipped (not carried out).
+TRACE = [
+    {"event": "learner_start", "time": 0.0, "learner": 0},
+    {"event": "learner_start", "time": 10.0, "learner": 1},
+    merge(20.0, 0, [0, 1], [10, 5], [10, 5], [1000, 500], [1.0, 2.0]),
+    merge(30.0, 1, [0], [10], [10], [1000], [1.0]),
+    # steps 6..25 of learner 0; 6..10 already reached fragment 0 at t=20: 15 new steps
+    merge(40.0, 0, [0], [25], [20], [2000], [1.0]),
+    {"event": "fault", "time": 50.0, "kind": "kill", "target": "learner-1"},
+    {"event": "learner_restart", "time": 58.0, "learner": 1, "incarnation": 2},
+    {"event": "fault", "time": 60.0, "kind": "kill", "target": "learner-0", "skipped": "learner still down"},
+    {"event": "learner_stop", "time": 80.0, "learner": 1},
+]
+
+
+def test_learner_time_by_hand():
+    lt = metrics.learner_time(TRACE, end=100.0, fragments=2)
+    # provisioned: learner 0 from 0 to 100, learner 1 from 10 to its stop at 80
+    assert lt[0]["provisioned"] == pytest.approx(100.0)
+    assert lt[1]["provisioned"] == pytest.approx(70.0)
+    # merged: learner 0 = (10 + 15 new steps of fragment 0 + 10 of fragment 1) × 1.0 s / P
+    assert lt[0]["merged"] == pytest.approx((10 + 15 + 10) * 1.0 / 2)
+    assert lt[1]["merged"] == pytest.approx(5 * 2.0 / 2)
+    # tokens: new steps × the push's tokens per step / P
+    assert lt[0]["merged_tokens"] == pytest.approx((10 * 100 + 15 * 100 + 10 * 100) / 2)
+    assert lt[1]["merged_tokens"] == pytest.approx(5 * 100 / 2)
+    assert metrics.goodput(TRACE, end=100.0, fragments=2) == pytest.approx((17.5 + 5.0) / 170.0)
+
+
+def test_a_restarted_learner_retraining_merged_steps_counts_them_once():
+    trace = [
+        {"event": "learner_start", "time": 0.0, "learner": 0},
+        merge(10.0, 0, [0], [8], [8], [800], [1.0]),
+        merge(11.0, 0, [0], [12], [4], [400], [1.0]),  # killed at step 14, resumed from its merged step 12
+        merge(20.0, 0, [0], [16], [4], [400], [1.0]),
+    ]
+    lt = metrics.learner_time(trace, end=20.0, fragments=1)
+    assert lt[0]["merged"] == pytest.approx(16.0)
+    # the same push merged twice (duplicate events) adds nothing the second time
+    lt = metrics.learner_time([*trace, merge(21.0, 0, [0], [16], [4], [400], [1.0])], end=21.0, fragments=1)
+    assert lt[0]["merged"] == pytest.approx(16.0)
+
+
+def test_downtimes_pair_each_carried_out_kill_with_the_restart():
+    d = metrics.downtimes(TRACE)
+    assert d == [{"learner": 1, "killed": 50.0, "back": 58.0, "downtime_s": 8.0}]
+    unfinished = metrics.downtimes([{"event": "fault", "time": 5.0, "kind": "kill", "target": "learner-2"}])
+    assert unfinished == [{"learner": 2, "killed": 5.0, "back": None, "downtime_s": None}]
+
+
+def test_uptime_with_quorum_one_stays_one_while_a_learner_is_dead():
+    # decoupled, K = 1: both fragments keep committing every 2 s while learner 1 is dead (50..58)
+    commits = {p: [t + p for t in range(2, 100, 2)] for p in (0, 1)}
+    assert metrics.uptime(commits, 0.0, 100.0, stall_threshold=5.0, fragments=2) == 1.0
+
+
+def test_uptime_of_a_lock_step_run_that_stalls_while_a_learner_is_down():
+    # dp: a commit every second, none between 50 and 58; threshold 2 s → stalled during [52, 58]
+    commits = {0: [float(t) for t in range(1, 51)] + [float(t) for t in range(58, 100)]}
+    assert metrics.uptime(commits, 0.0, 100.0, stall_threshold=2.0) == pytest.approx(1 - 6 / 100)
+    # a fragment that never committed waits from the start: stalled during [2, 100] of [0, 100]
+    assert metrics.uptime({}, 0.0, 100.0, stall_threshold=2.0, fragments=1) == pytest.approx(0.02)
+    assert metrics.longest_commit_gaps([{"event": "merge", "time": t, "fragment": 0} for t in commits[0]], 0, 100)[
+        0
+    ] == pytest.approx(8.0)
+
+
+def test_typical_cycle_leaves_out_stalled_steps_but_keeps_jitter():
+    assert metrics.typical_cycle([1.0, 1.0, 1.0, 1.0, 10.0]) == pytest.approx(1.0)
+    assert metrics.typical_cycle([1.0, 2.0, 3.0]) == pytest.approx(2.0)
+    assert metrics.typical_cycle([]) == 0.0
