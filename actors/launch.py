@@ -272,7 +272,7 @@ class RunHandle:
 
     def _record(self, e: dict[str, Any]) -> None:
         e = {**e, "t": e.get("time", time.time()) - self.started}
-        if e["event"] == "learner_restart":
+        if e["event"] in ("learner_start", "learner_restart"):  # killed before its first registration: start
             self._down.pop(e["learner"], None)
         with self._lock:
             self.events.append(e)

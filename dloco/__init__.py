@@ -13,6 +13,8 @@ Public surface, one module per concept (ALGORITHM.md section in brackets):
 - `dloco.learner.LearnerCore`, `dloco.syncer.SyncerCore`, `dloco.store.StoreCore`: the three
   roles' algorithms without transport [§1, §4, §5, §8]
 - `dloco.build`: everything an actor derives from a config; `dloco.metrics`: run accounting [§8]
+- `dloco.tensorboard.TensorBoardSink`: run events as TensorBoard scalars; `dloco.plot`: the figures
+  of ``dloco plot`` (both read or write only a run directory)
 """
 
 __version__ = "0.1.0"

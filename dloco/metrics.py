@@ -125,7 +125,8 @@ def downtimes(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Each carried-out learner kill with the time until that learner registered again.
 
     A kill is a ``fault`` event of kind ``kill`` on ``learner-<m>`` that was not skipped; it ends at
-    the next ``learner_restart`` of m (``back`` is None if the run ended first).
+    the next registration of m (``learner_restart``, or ``learner_start`` if it was killed before it
+    first registered); ``back`` is None if the run ended first.
     """
     out: list[dict[str, Any]] = []
     open_: dict[int, dict[str, Any]] = {}
@@ -136,7 +137,7 @@ def downtimes(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 m = int(e["target"].split("-")[1])
                 open_[m] = {"learner": m, "killed": float(e["time"]), "back": None, "downtime_s": None}
                 out.append(open_[m])
-        elif kind == "learner_restart" and int(e["learner"]) in open_:
+        elif kind in ("learner_start", "learner_restart") and int(e["learner"]) in open_:
             d = open_.pop(int(e["learner"]))
             d["back"] = float(e["time"])
             d["downtime_s"] = d["back"] - d["killed"]

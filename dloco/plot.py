@@ -214,7 +214,7 @@ def fig_fragments(run: Run, path: Path) -> Path:
         quorum = [len(e.get("contributors", ())) for e in mine]
         ax[0, 0].plot(t, quorum, drawstyle="steps-post", marker="o", ms=4, alpha=0.7, label=f"p={p}")
         stale = [sum(e["staleness"]) / len(e["staleness"]) if e.get("staleness") else 0.0 for e in mine]
-        ax[0, 2].plot(t, stale, marker="o", ms=4, lw=0.8, alpha=0.7, label=f"p={p}")
+        ax[0, 2].plot(t, stale, ls="none", marker="o", ms=4, alpha=0.7, label=f"p={p}")
     t = [e["t"] for e in merges]
     for key, style in (("grace_s", "o"), ("slack_s", "x"), ("grace_window_s", "+")):
         ax[0, 1].plot(t, [e.get(key) for e in merges], ls="none", marker=style, ms=4, label=key)

@@ -77,7 +77,9 @@ def elastic_syncer(timeout=2.0, algorithm="elastic_dp"):
     plan = fragments.partition(params, 1)
     frs = [(0, f, outer.state_to_numpy(outer.init(outer.outer_config(cfg), f))) for f in plan.split(params)]
     s = SyncerCore(cfg, plan, fragments.embedding_names(plan.names), frs, {0: 1, 1: 1, 2: 1})
-    grad = {n: compress.encode(np.full(shape, 0.1, np.float32), "fp32") for n, shape in plan.fragments[0].shape_map.items()}
+    grad = {
+        n: compress.encode(np.full(shape, 0.1, np.float32), "fp32") for n, shape in plan.fragments[0].shape_map.items()
+    }
     return s, grad
 
 

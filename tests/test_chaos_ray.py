@@ -1,0 +1,115 @@
+"""Chaos on a real local Ray cluster: dp stops the world while a learner is down, elastic_dp
+reconfigures around it, decoupled (K = 1) keeps advancing, and a seeded schedule is carried out
+and logged fault by fault."""
+
+import time
+
+import pytest
+
+from dloco import chaos, config, metrics
+
+pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+RUN = ("metrics.eval_every_s=1000", "learners.num_cpus=0.5", "budget.tokens=0", "budget.seconds=600")
+
+
+def wait_for(pred, timeout=120.0, every=0.25):
+    end = time.time() + timeout
+    while time.time() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def dp_run(tiny_run, *overrides):
+    base = [o for o in tiny_run if not o.startswith(("sync.", "fragments."))]
+    return config.load(overrides=(*base, *RUN, "learners.count=2", *overrides))
+
+
+def restart_of(h, m, after):
+    return [e for e in h.metrics("learner_restart") if e["learner"] == m and e["time"] > after]
+
+
+def test_dp_stops_the_world_while_a_learner_is_down(ray_cluster, tiny_run, tmp_path):
+    from actors.launch import start
+
+    h = start(dp_run(tiny_run, "algorithm=dp"), run_dir=tmp_path)
+    try:
+        wait_for(lambda: len(h.metrics("merge")) >= 20)
+        h.kill_learner(1)
+        killed = h.metrics("fault")[-1]["time"]
+        back = wait_for(lambda: restart_of(h, 1, killed))[0]["time"]
+        wait_for(lambda: [e for e in h.metrics("merge") if e["time"] > back and e["contributors"] == [0, 1]])
+        # nothing merged while learner 1 was down (a step already in flight at the kill may close)
+        during = [e for e in h.metrics("merge") if killed + 0.5 < e["time"] < back]
+        assert during == []
+        assert back - killed > 1.0  # a real restart: new process, JAX import, blueprint
+        # every merge, before and after, holds both learners' gradients
+        assert all(e["contributors"] == [0, 1] for e in h.metrics("merge"))
+        gap = metrics.longest_commit_gaps(h.metrics("merge"), killed, back, n=1)[0]
+        assert gap >= 0.8 * (back - killed)
+    finally:
+        h.stop()
+
+
+def test_elastic_dp_continues_without_the_dead_learner_and_takes_it_back(ray_cluster, tiny_run, tmp_path):
+    from actors.launch import start
+
+    h = start(dp_run(tiny_run, "algorithm=elastic_dp", "syncer.elastic_timeout_s=1.0"), run_dir=tmp_path)
+    try:
+        wait_for(lambda: len(h.metrics("merge")) >= 20)
+        h.kill_learner(1)
+        killed = h.metrics("fault")[-1]["time"]
+        back = wait_for(lambda: restart_of(h, 1, killed))[0]["time"]
+        alone = [e for e in h.metrics("merge") if killed < e["time"] < back and e["contributors"] == [0]]
+        assert alone, "learner 0 kept training alone while learner 1 restarted"
+        assert alone[0]["dropped"] == [1]
+        pause = alone[0]["time"] - max(e["time"] for e in h.metrics("merge") if e["time"] <= killed)
+        assert 0.9 <= pause < back - killed  # the reconfiguration pause: the timeout, not the restart
+        wait_for(lambda: [e for e in h.metrics("merge") if e["time"] > back and e["contributors"] == [0, 1]])
+    finally:
+        h.stop()
+
+
+def test_seeded_schedule_is_carried_out_logged_and_k1_keeps_advancing(ray_cluster, tiny_run, tmp_path):
+    from actors.launch import start
+
+    chaos_set = ("chaos.seed=2", "chaos.mtbf_s=12", "chaos.warmup_s=6", "chaos.payload_loss=0.05")
+    cfg = config.load(
+        overrides=(*tiny_run, *RUN, "learners.count=3", "syncer.quorum=1", "budget.seconds=28", *chaos_set)
+    )
+    expected = [f for f in chaos.schedule(cfg.chaos, 3) if f.at < 26]
+    assert any(f.kind == "kill" for f in expected)
+    h = start(cfg, run_dir=tmp_path)
+    summary = h.wait(timeout=200)
+    h.stop()
+    assert summary is not None
+    events = h.metrics()
+    faults = [e for e in events if e["event"] == "fault"]
+    # every scheduled fault is logged, in order, at its time (to within the injector's latency)
+    assert [(f["target"], f["kind"], f["at"]) for f in faults] == [(f.target, f.kind, f.at) for f in expected]
+    for f in faults:
+        assert f["t"] == pytest.approx(f["at"], abs=1.0)
+    carried = [f for f in faults if not f.get("skipped")]
+    assert summary["faults"] == len(carried) and summary["faults_skipped"] == len(faults) - len(carried)
+    downs = metrics.downtimes(events)
+    assert len(downs) == len(carried)
+    assert all(d["downtime_s"] is None or d["downtime_s"] > 0.5 for d in downs)
+    assert any(e["event"] == "payload_lost" for e in events)
+    # K = 1: while any learner was down, the others' merges kept every fragment advancing
+    first = min(e["time"] for e in events if e["event"] == "merge")
+    end = max(e["time"] for e in events)
+    commits = metrics.commit_times(events)
+    assert metrics.uptime(commits, first, end, stall_threshold=5.0, fragments=cfg.fragments.count) == 1.0
+    for d in downs:
+        if d["back"] is not None:
+            assert [e for e in events if e["event"] == "merge" and d["killed"] < e["time"] < d["back"]]
+    assert 0 < summary["goodput"] < 1
+    lt = summary["learner_time"]
+    assert summary["goodput"] == pytest.approx(
+        sum(v["merged"] for v in lt.values()) / sum(v["provisioned"] for v in lt.values())
+    )

@@ -1,0 +1,57 @@
+"""docs/: CONFIG.md is what scripts/gen_config_docs.py generates from dloco/config.py, so it cannot go stale."""
+
+import dataclasses
+import importlib.util
+import re
+import typing
+from pathlib import Path
+
+from dloco import config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def generator():
+    spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "gen_config_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_config_md_is_up_to_date():
+    committed = (ROOT / "docs" / "CONFIG.md").read_text()
+    assert generator().render() == committed, (
+        "docs/CONFIG.md is stale: dloco/config.py changed. Regenerate it with "
+        "`python scripts/gen_config_docs.py` and commit the result."
+    )
+
+
+def test_config_md_lists_every_field_and_preset():
+    text = generator().render()
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            assert f"`{prefix}{f.name}`" in text, f"{prefix}{f.name} missing"
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+
+    walk(config.RunConfig, "")
+    assert "`learners.groups[].resources`" in text
+    for name in config.PRESETS:
+        assert f"### `{name}`" in text
+    assert re.search(r"\| `sync\.overlap` \| `int` \| `\d+` \| τ \|", text)
+
+
+def test_docs_exist_and_link_what_they_cite():
+    for name in ("ARCHITECTURE.md", "CLUSTER.md", "SECURITY.md", "SYMBOLS.md", "CONFIG.md"):
+        assert (ROOT / "docs" / name).is_file(), name
+    cluster = (ROOT / "docs" / "CLUSTER.md").read_text()
+    for cited in re.findall(r"cluster_configs/[\w.]+\.yaml", cluster):
+        assert (ROOT / cited).is_file(), f"docs/CLUSTER.md cites {cited}, which does not exist"
+    symbols = (ROOT / "docs" / "SYMBOLS.md").read_text()
+    rows = "\n".join(line for line in symbols.splitlines() if line.startswith("|"))
+    for dotted in re.findall(r"`([a-z_]+\.[a-z_]+)`", rows):
+        section, key = dotted.split(".")
+        cls = type(getattr(config.RunConfig(), section))
+        assert key in {f.name for f in dataclasses.fields(cls)}, f"docs/SYMBOLS.md names {dotted}, not a config key"
