@@ -1,8 +1,10 @@
 """Scale simulator: goodput and uptime of dp, elastic_dp and decoupled under interruptions (§8, §10).
 
-A *failure domain* is what one interruption takes down: the whole world for dp and elastic_dp, one
-learner for decoupled. N chips with per-chip mean time between interruptions MTBI give a domain of
-n chips the rate λ = n / MTBI (a learner of N/M chips: per-learner MTBF = MTBI·M/N). A domain
+Goodput = chip-time whose progress reached the global model ÷ chip-time provisioned; uptime =
+share of wall time in which the global model advanced. A *failure domain* is what one interruption
+takes down: the whole world for dp and elastic_dp, one learner for decoupled. N chips with per-chip
+mean time between interruptions MTBI give a domain of n chips the rate λ = n / MTBI (a learner of
+N/M chips: per-learner MTBF = MTBI·M/N; the dp world: λ = N / MTBI). A domain
 alternates up and down; interruptions that arrive while it is announced or down are absorbed (the
 same recovery handles them, as a kill that finds its learner down is a no-op in `dloco.chaos`):
 
@@ -31,8 +33,9 @@ shape (only E[R] is) are fixed conventions. The defaults of `FleetParams` are th
 
 `expected` is the closed form, `simulate` an exact event simulation of the same model (vectorised
 cycles; exact in law because X is memoryless) and `simulate_run` replays a real run's seeded
-`dloco.chaos` schedule (learners as domains, no notice, measured `recovery_s`) with the same
-interval accounting. Syncer and store kills are not modelled.
+`dloco.chaos` schedule (learners as domains, each failing on its own clock, so a dp world is down
+while any learner is; no notice; measured `recovery_s`) with the same interval accounting. Syncer
+and store kills are not modelled.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class Recovery:
     """Recovery time R: `short_s` with probability 1 − `long_frac`, else `long_s` (a long repair);
     each scaled by an Exponential(1) draw if `exponential`, else exact."""
 
-    short_s: float = 10.9
+    short_s: float = 10.86
     long_s: float = 108.6
     long_frac: float = 0.1
     exponential: bool = True
@@ -94,17 +97,14 @@ class Recovery:
         base = rng.exponential(1.0, n) if self.exponential else np.ones(n)
         return np.where(long, self.long_s, self.short_s) * base
 
-    def mean_min_up(self, rate: float, notice: float) -> float:
-        """E[min(R, U)], U = W + Exponential(1/λ): ∫ P(R > t) P(U > t) dt per component."""
-        out = 0.0
+    def mean_min_up(self, rate, notice: float):
+        """E[min(R, U)], U = W + Exponential(1/λ): ∫ P(R > t) P(U > t) dt, per component; λ may be an array."""
+        out = np.zeros(np.shape(rate))
         for w, mu in ((1 - self.long_frac, self.short_s), (self.long_frac, self.long_s)):
-            if w == 0 or mu == 0:
-                continue
-            if not self.exponential:
-                out += w * _emin(mu, rate, notice)
-            else:
+            if w > 0 and mu > 0:
                 q = math.exp(-notice / mu)
-                out += w * (mu * (1 - q) + q * mu / (1 + rate * mu))
+                exp_part = mu * (1 - q) + q * mu / (1 + np.asarray(rate) * mu)
+                out = out + w * (exp_part if self.exponential else _emin(mu, rate, notice))
         return out
 
 
@@ -116,7 +116,8 @@ class FleetParams:
     restart_s (F): dp's fixed job restart (relaunch, restore the checkpoint) on top of R.
     lost_s (L): dp's work lost per interruption (≈ half its checkpoint interval).
     rejoin_s (J): a repaired slice or restarted learner rejoining (elastic_dp: all chips pause).
-    sync_lost_s (ℓ): a learner's work since its last merged push (≈ half of H steps), lost.
+    sync_lost_s (ℓ): a learner's work since its last merged push (≈ half of H steps), lost; 0 by
+        default: within the notice a learner flushes its pending push, as dp checkpoints (L fits 0).
     slice_chips (s): chips an interruption takes out of an elastic_dp world.
     """
 
@@ -166,16 +167,9 @@ def _emin(x: float, rate, notice: float):
     return np.where(rate > 0, notice + -np.expm1(-safe * (x - notice)) / safe, float(x))
 
 
-def _renewal(rate, notice: float, down: float):
-    """(up fraction a, cycle C) of a domain interrupted at `rate` with mean downtime `down`."""
-    rate = np.asarray(rate, dtype=float)
-    up = np.where(rate > 0, 1.0 / np.where(rate > 0, rate, 1.0), np.inf) + notice
-    return np.where(np.isinf(up), 1.0, up / (up + down)), up + down
-
-
-def _binom_tail(m: int, p: float, k: int) -> float:
-    """P[Bin(m, p) ≥ k]."""
-    return float(sum(math.comb(m, i) * p**i * (1 - p) ** (m - i) for i in range(max(k, 0), m + 1)))
+def _binom_tail(m: int, p, k: int):
+    """P[Bin(m, p) ≥ k]; p may be an array."""
+    return sum(math.comb(m, i) * p**i * (1 - p) ** (m - i) for i in range(max(k, 0), m + 1)) + 0 * p
 
 
 def _check_fleet(algorithm: str, chips: int, learners: int, quorum: int) -> None:
@@ -185,26 +179,30 @@ def _check_fleet(algorithm: str, chips: int, learners: int, quorum: int) -> None
     _require(1 <= quorum <= learners, "quorum", quorum, f"must be in [1, learners={learners}]")
 
 
+def _closed(p: FleetParams, algorithm: str, chips, M: int, K: int):
+    """The module docstring's closed form over an array of chip counts: (goodput, uptime, 1/C), with
+    a = (1 + λW) / (1 + λ(W + E[D])) and 1/C = λ / (1 + λ(W + E[D])), the handled interruption rate."""
+    chips = np.asarray(chips, dtype=float)
+    rate, W, r = chips / M / p.mtbi_s, p.notice_s, p.recovery.mean
+    D = p.restart_s + r if algorithm == "dp" else r + p.rejoin_s
+    a, per = (1 + rate * W) / (1 + rate * (W + D)), rate / (1 + rate * (W + D))
+    if algorithm == "dp":
+        return a - _emin(p.lost_s, rate, W) * per, a, per
+    if algorithm == "elastic_dp":
+        return a - np.minimum(p.slice_chips, chips) / chips * p.recovery.mean_min_up(rate, W) * per, a, per
+    return (a - _emin(p.sync_lost_s, rate, W) * per) * _binom_tail(M - 1, a, K - 1), _binom_tail(M, a, K), per
+
+
 def expected(
     p: FleetParams, algorithm: str, chips: int, learners: int = 1, quorum: int = 1, seconds: float = 86400.0
 ) -> Goodput:
-    """The closed form (module docstring) for `chips` chips; dp and elastic_dp ignore `learners`."""
+    """The closed form for `chips` chips (decoupled: `learners` of N/M chips, quorum K); dp and
+    elastic_dp are one world and ignore `learners`. Counts are expectations over `seconds`."""
     _check_fleet(algorithm, chips, learners, quorum)
     M, K = (learners, quorum) if algorithm == "decoupled" else (1, 1)
-    rate = chips / M / p.mtbi_s
-    r, W = p.recovery.mean, p.notice_s
-    down = {"dp": p.restart_s + r}.get(algorithm, r + p.rejoin_s)
-    a, C = _renewal(rate, W, down)
-    a, C = float(a), float(C)
-    if algorithm == "dp":
-        good, up = a - float(_emin(p.lost_s, rate, W)) / C, a
-    elif algorithm == "elastic_dp":
-        good, up = a - min(p.slice_chips, chips) / chips * p.recovery.mean_min_up(rate, W) / C * (rate > 0), a
-    else:
-        lost = float(_emin(p.sync_lost_s, rate, W)) / C if rate > 0 else 0.0
-        good, up = (a - lost) * _binom_tail(M - 1, a, K - 1), _binom_tail(M, a, K)
-    handled = M * seconds / C if rate > 0 else 0.0
-    return Goodput(good, up, handled, M * rate * seconds - handled, 0, seconds)
+    good, up, per = (float(v[0]) for v in _closed(p, algorithm, [chips], M, K))
+    handled = M * seconds * per
+    return Goodput(good, up, handled, chips / p.mtbi_s * seconds - handled, 0, seconds)
 
 
 # -- interval machinery: per domain, sorted disjoint down intervals [s, e) and whether each was a kill
@@ -277,19 +275,22 @@ def _account(mode: str, domains: Sequence[tuple], T: float, quorum=1, lost=0.0, 
     ze = np.minimum(np.concatenate((s_all + pause, e_all + rejoin)), T)
     zs, ze, _ = _union(zs, ze, np.zeros(zs.size, dtype=bool))
     z = float(_measure(zs, ze, T))
-    total = sum(T - float(np.sum(e - s)) - z + float(np.sum(_measure(zs, ze, e) - _measure(zs, ze, s))) for s, e, _ in domains)
-    a0 = _stalled(domains, 1)
-    us, ue, _ = _union(np.concatenate((zs, a0[0])), np.concatenate((ze, a0[1])), np.zeros(zs.size + a0[0].size, bool))
+    total = 0.0
+    for s, e, _ in domains:  # up time minus (pause time − pause time while this domain was down anyway)
+        total += T - float(np.sum(e - s)) - z + float(np.sum(_measure(zs, ze, e) - _measure(zs, ze, s)))
+    a0s, a0e = _stalled(domains, 1)
+    us, ue, _ = _union(np.concatenate((zs, a0s)), np.concatenate((ze, a0e)), np.zeros(zs.size + a0s.size, bool))
     return total / (M * T), 1.0 - float(np.sum(ue - us)) / T
 
 
 def _cycles(rng: np.random.Generator, rate: float, notice: float, T: float, draw: Callable, mean_down: float):
     """One domain's down intervals over [0, T) from alternating cycles U = W + X, D = draw(rng, n)."""
     n = int(1.2 * T / (1.0 / rate + notice + mean_down)) + 16
-    ups, downs = [], []
-    while not ups or np.sum(ups[-1]) + np.sum(downs[-1]) + sum(np.sum(u) + np.sum(d) for u, d in zip(ups[:-1], downs[:-1])) < T:
+    ups, downs, total = [], [], 0.0
+    while total < T:
         ups.append(notice + rng.exponential(1.0 / rate, n))
         downs.append(draw(rng, n))
+        total += float(np.sum(ups[-1]) + np.sum(downs[-1]))
     up, down = np.concatenate(ups), np.concatenate(downs)
     e = np.cumsum(up + down)
     s = e - down
@@ -316,10 +317,8 @@ def simulate(
     doms = [_cycles(g, rate, p.notice_s, T, draw, fixed + p.recovery.mean) for g in rngs]
     handled, absorbed = sum(d[0].size for d in doms), sum(d[3] for d in doms)
     domains = [(s, e, np.ones(s.size, dtype=bool)) for s, e, _, _ in doms]
-    if algorithm == "decoupled":
-        good, up = _account("decoupled", domains, T, quorum=K, lost=p.sync_lost_s)
-    else:
-        good, up = _account("dp", domains, T, lost=p.lost_s if algorithm == "dp" else 0.0)
+    lost = {"dp": p.lost_s, "elastic_dp": 0.0, "decoupled": p.sync_lost_s}[algorithm]
+    good, up = _account("decoupled" if algorithm == "decoupled" else "dp", domains, T, K, lost)
     if algorithm == "elastic_dp":  # the failed slice idles for its repair R, clipped to the next up period
         s, e, down, _ = doms[0]
         next_up = np.concatenate((s[1:], [T])) - e
@@ -332,22 +331,14 @@ def grid(p: FleetParams, chips: Sequence[int] = PAPER_CHIPS, rows: Sequence[str]
     out = {}
     for row in rows:
         algo, m = (row, 1) if row in ("dp", "elastic_dp") else ("decoupled", int(row.removeprefix("M=")))
-        out[row] = [expected(p, algo, n, m).goodput for n in chips]
+        out[row] = [float(v) for v in _closed(p, algo, chips, m, 1)[0]]
     return out
 
 
 def simulate_schedule(
-    faults: Sequence[chaos_lib.Fault],
-    algorithm: str,
-    learners: int,
-    quorum: int,
-    duration_s: float,
-    recovery_s: float,
-    *,
-    pause_s: float = 0.0,
-    rejoin_s: float = 0.0,
-    lost_s: float = 0.0,
-) -> Goodput:
+    faults: Sequence[chaos_lib.Fault], algorithm: str, learners: int, quorum: int, duration_s: float,
+    recovery_s: float, *, pause_s: float = 0.0, rejoin_s: float = 0.0, lost_s: float = 0.0,
+) -> Goodput:  # fmt: skip
     """Replay a fault list: a kill takes its learner down for `recovery_s` (a kill of a down learner
     is absorbed, one of a frozen learner kills it), a freeze for its duration; then `_account`.
     dp stops while any learner is down (its kills discard `lost_s` of world work), elastic_dp
@@ -368,7 +359,7 @@ def simulate_schedule(
         for f in sorted(fs):
             if e and f.at < e[-1]:
                 if f.kind == "kill" and not kill[-1]:  # the frozen process is killed: it restarts now
-                    e[-1], kill[-1], kills, freezes = max(e[-1], f.at + recovery_s), True, kills + 1, freezes - 1
+                    e[-1], kill[-1], kills = max(e[-1], f.at + recovery_s), True, kills + 1
                 else:
                     absorbed += f.kind == "kill"
                 continue
@@ -382,29 +373,19 @@ def simulate_schedule(
 
 
 def simulate_run(
-    chaos: ChaosConfig,
-    algorithm: str,
-    learners: int,
-    quorum: int,
-    duration_s: float,
-    recovery_s: float,
-    *,
-    pause_s: float = 0.0,
-    rejoin_s: float = 0.0,
-    lost_s: float = 0.0,
-) -> Goodput:
+    chaos: ChaosConfig, algorithm: str, learners: int, quorum: int, duration_s: float, recovery_s: float,
+    *, pause_s: float = 0.0, rejoin_s: float = 0.0, lost_s: float = 0.0,
+) -> Goodput:  # fmt: skip
     """A small real run's goodput: M learners (each a chip group) under `chaos`'s seeded schedule
     (`dloco.chaos.schedule`: per-learner kills at MTBF `chaos.mtbf_s`, freezes), measured restart +
     rejoin time `recovery_s`; see `simulate_schedule`."""
-    _require(learners >= 1, "learners", learners, "must be >= 1")
-    return simulate_schedule(
-        chaos_lib.schedule(chaos, learners), algorithm, learners, quorum, duration_s, recovery_s,
-        pause_s=pause_s, rejoin_s=rejoin_s, lost_s=lost_s,
-    )  # fmt: skip
+    faults, kw = chaos_lib.schedule(chaos, learners), {"pause_s": pause_s, "rejoin_s": rejoin_s, "lost_s": lost_s}
+    return simulate_schedule(faults, algorithm, learners, quorum, duration_s, recovery_s, **kw)
 
 
-def _nelder_mead(f: Callable, x0: np.ndarray, step: float = 0.5, iters: int = 4000, tol: float = 1e-14):
-    pts = np.vstack([x0] + [x0 + step * np.eye(x0.size)[i] for i in range(x0.size)])
+def _nelder_mead(f: Callable, x0: np.ndarray, iters: int = 2000, tol: float = 1e-9) -> np.ndarray:
+    """Minimise f from x0: simplex steps 0.5; reflect, expand ×2, contract ½, else shrink ½."""
+    pts = np.vstack([x0, x0 + 0.5 * np.eye(x0.size)])
     vals = np.array([f(x) for x in pts])
     for _ in range(iters):
         o = np.argsort(vals, kind="stable")
@@ -412,22 +393,19 @@ def _nelder_mead(f: Callable, x0: np.ndarray, step: float = 0.5, iters: int = 40
         if vals[-1] - vals[0] < tol:
             break
         c = pts[:-1].mean(axis=0)
-        xr = c + (c - pts[-1])
+        xr = 2 * c - pts[-1]
         fr = f(xr)
         if fr < vals[0]:
-            xe = c + 2 * (c - pts[-1])
+            xe = 3 * c - 2 * pts[-1]
             fe = f(xe)
             pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
         elif fr < vals[-2]:
             pts[-1], vals[-1] = xr, fr
+        elif (fc := f(xc := (c + pts[-1]) / 2)) < vals[-1]:
+            pts[-1], vals[-1] = xc, fc
         else:
-            xc = c + 0.5 * (pts[-1] - c)
-            fc = f(xc)
-            if fc < vals[-1]:
-                pts[-1], vals[-1] = xc, fc
-            else:  # shrink towards the best point
-                pts[1:] = pts[0] + 0.5 * (pts[1:] - pts[0])
-                vals[1:] = [f(x) for x in pts[1:]]
+            pts[1:] = (pts[0] + pts[1:]) / 2
+            vals[1:] = [f(x) for x in pts[1:]]
     return pts[np.argmin(vals)]
 
 
@@ -439,7 +417,7 @@ def calibrate(
     ≥ 0; Nelder–Mead from three starts); J, s, ℓ, MTBI and the recovery mixture's shape from `base`."""
 
     def params(x: np.ndarray) -> FleetParams:
-        w, f, lost, r = x**2
+        w, f, lost, r = (float(v) for v in x**2)
         return replace(base, notice_s=w if fit_notice else base.notice_s, restart_s=f, lost_s=lost,
                        recovery=base.recovery.with_mean(r))  # fmt: skip
 
