@@ -12,7 +12,10 @@ Public surface, one module per concept (ALGORITHM.md section in brackets):
 - `dloco.policy`: contribution checks, grace window, per-fragment rounds [§5]
 - `dloco.learner.LearnerCore`, `dloco.syncer.SyncerCore`, `dloco.store.StoreCore`: the three
   roles' algorithms without transport [§1, §4, §5, §8]
-- `dloco.build`: everything an actor derives from a config; `dloco.metrics`: run accounting [§8]
+- `dloco.build`: everything an actor derives from a config; `dloco.metrics`: run accounting
+  (goodput, uptime, downtime from events) [§8]
+- `dloco.chaos`: the seeded fault schedule, stragglers and payload loss [§10]; `dloco.goodput`:
+  the discrete-event goodput simulator of a fleet at scale [§8, §10]
 - `dloco.tensorboard.TensorBoardSink`: run events as TensorBoard scalars; `dloco.plot`: the figures
   of ``dloco plot`` (both read or write only a run directory)
 """
