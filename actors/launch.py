@@ -34,9 +34,11 @@ from actors.store import FragmentStore
 from actors.syncer import Syncer
 from dloco import build, chaos, inner, metrics
 from dloco.config import RunConfig
+from dloco.tensorboard import TensorBoardSink
 
 
-def _worker_env(cfg: RunConfig, gpu: bool) -> dict[str, str]:
+def _worker_env(cfg: RunConfig, accelerator: bool) -> dict[str, str]:
+    """Environment of an actor's worker process; `accelerator` False pins JAX to the CPU."""
     n = cfg.learners.xla_threads
     env = {
         # XLA's CPU client has no thread-count flag; single-threaded Eigen is the one switch it reads.
@@ -47,7 +49,7 @@ def _worker_env(cfg: RunConfig, gpu: bool) -> dict[str, str]:
         "JAX_COMPILATION_CACHE_DIR": str(Path("~/.cache/dloco/jax").expanduser()),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
-    if not gpu:
+    if not accelerator:
         env["JAX_PLATFORMS"] = "cpu"
     return env
 
@@ -119,6 +121,7 @@ class RunHandle:
         self._stop_requested = threading.Event()
         self._metrics_file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in stop()
         bp = build.blueprint(cfg)
+        self._tensorboard = TensorBoardSink(run_dir, fragments=bp.plan.count)  # beside metrics.jsonl
         self._bp, self._mesh = bp, inner.make_mesh()
         self._eval = inner.make_eval_step(bp.model, self._mesh)
         self._eval_set = build.eval_set(cfg, bp.corpus)
@@ -131,7 +134,10 @@ class RunHandle:
             "max_restarts": -1,
             "max_task_retries": -1,
             "num_cpus": 0,
-            "runtime_env": {"env_vars": _worker_env(cfg, gpu=False)},
+            # On the head node, with the driver: the run directory (metrics, store snapshots) is
+            # the head's, so a restarted store finds its snapshots without a shared filesystem.
+            "resources": {"node:__internal_head__": 0.001},
+            "runtime_env": {"env_vars": _worker_env(cfg, accelerator=False)},
         }
         self.store = ray.remote(FragmentStore).options(name="store", **opts).remote(self.cfg_dict, str(run_dir))
         ray.get(self.store.ping.remote())
@@ -170,7 +176,8 @@ class RunHandle:
                 num_cpus=g.num_cpus,
                 num_gpus=g.num_gpus,
                 resources=dict(g.resources) or None,
-                runtime_env={"env_vars": _worker_env(self.cfg, gpu=g.num_gpus > 0)},
+                # a GPU or TPU learner lets JAX find its accelerator; others stay on the CPU
+                runtime_env={"env_vars": _worker_env(self.cfg, accelerator=g.num_gpus > 0 or "TPU" in g.resources)},
             )
             .remote(self.cfg_dict, m, "store", "syncer", self.namespace)
         )
@@ -278,6 +285,7 @@ class RunHandle:
             self.events.append(e)
             self._metrics_file.write(json.dumps(e, default=str) + "\n")
             self._metrics_file.flush()
+            self._tensorboard.write(e)
 
     def _poll_actors(self) -> None:
         # A drain call is kept until it answers (a restarting actor answers late): dropping it
@@ -322,6 +330,7 @@ class RunHandle:
                     self._record(
                         {"event": "eval", "time": time.time(), "loss": self.evaluate(), "tokens": self.tokens_trained()}
                     )
+                    self._record_goodput(time.time())
                     last_eval = time.time()
                 if self.progress:
                     self.progress(self.status())
@@ -337,6 +346,20 @@ class RunHandle:
         finally:
             self._finish()
 
+    def _record_goodput(self, now: float) -> dict[str, float]:
+        """Goodput and uptime so far (ALGORITHM.md §8), recorded as a ``goodput`` event."""
+        events, P = self.metrics(), self._bp.plan.count
+        e = {
+            "event": "goodput",
+            "time": now,
+            "goodput": metrics.goodput(events, now, P),
+            "uptime": metrics.uptime(
+                metrics.commit_times(events), self.started, now, self.cfg.metrics.stall_threshold_s, P
+            ),
+        }
+        self._record(e)
+        return e
+
     def _finish(self) -> None:
         self._stop_requested.set()  # no scheduled fault after this point
         for a in self.learners.values():
@@ -348,6 +371,7 @@ class RunHandle:
         end_loss = self.evaluate()
         end = time.time()
         self._record({"event": "eval", "time": end, "loss": end_loss, "tokens": self.tokens_trained()})
+        final = self._record_goodput(end)
         store = ray.get(self.store.summary.remote())
         events = self.metrics()
         per_learner = metrics.learner_time(events, end, self._bp.plan.count)
@@ -363,16 +387,14 @@ class RunHandle:
             "tokens_trained": trained,
             "tokens_merged": merged,
             "tokens_merged_ratio": merged / trained if trained else 0.0,
-            "goodput": metrics.goodput(events, end, self._bp.plan.count),
+            "goodput": final["goodput"],
             "learner_time": per_learner,
             "faults": len([f for f in faults if not f.get("skipped")]),
             "faults_skipped": len([f for f in faults if f.get("skipped")]),
             "downtime_s": sorted(down),
             "longest_commit_gaps_s": metrics.longest_commit_gaps(events, self.started, end),
             "payloads_lost": sum(e["event"] == "payload_lost" for e in events),
-            "uptime": metrics.uptime(
-                metrics.commit_times(events), self.started, end, self.cfg.metrics.stall_threshold_s, self._bp.plan.count
-            ),
+            "uptime": final["uptime"],
             "merges": sum(e["event"] == "merge" for e in events),
             "rejected": sum(e["event"] == "rejection" for e in events),
             "learners": len(self.learners),
@@ -401,6 +423,7 @@ class RunHandle:
         for a in [*self.learners.values(), self.syncer, self.store]:
             ray.kill(a, no_restart=True)
         self._metrics_file.close()
+        self._tensorboard.close()
         if self.owns_ray:
             ray.shutdown()
         return self.summary

@@ -9,8 +9,9 @@ failure-free decoupled run gives the reference eval loss.
 
 Goodput, uptime, downtime and stalls are computed from each run's events (`dloco.metrics`;
 ALGORITHM.md §8); each run's directory keeps its ``metrics.jsonl``, so every number traces back
-to events. With `dloco.goodput` present, the table also shows what the scale simulator predicts
-for the same chaos parameters and the measured median downtime.
+to events. Beside each goodput: the same relative to the failure-free run (what the faults cost)
+and what the simulator `dloco.goodput.simulate_run` predicts for the same schedule with that
+run's measured median downtime.
 
 Usage:  python benchmarks/goodput.py [--quick] [--learners 12] [--seconds 150] [--mtbf 200]
                                      [--algorithms dp,elastic_dp,decoupled] [--out PATH]
@@ -87,13 +88,12 @@ def row(r: dict) -> dict:
     }
 
 
-def simulated(cfg_chaos: config.ChaosConfig, algorithm: str, learners: int, quorum: int, seconds: float, down: float):
-    try:
-        from dloco import goodput
-    except ImportError:
-        return None
-    res = goodput.simulate_run(cfg_chaos, algorithm, learners, quorum, seconds, down)
-    return getattr(res, "goodput", None)
+def simulated(chaos_cfg: config.ChaosConfig, algorithm: str, learners: int, quorum: int, seconds: float, down: float):
+    """`dloco.goodput.simulate_run` on the same schedule, with the run's measured median downtime."""
+    from dloco import goodput
+
+    pause = config.SyncerConfig().elastic_timeout_s if algorithm == "elastic_dp" else 0.0
+    return goodput.simulate_run(chaos_cfg, algorithm, learners, quorum, seconds, down, pause_s=pause).goodput
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -185,11 +185,15 @@ def main() -> None:
     ref = next((r for r in rows if r["run"] == "decoupled, no faults"), None)
     for r, res in zip(rows, results, strict=True):
         r["eval_loss_vs_reference"] = r["eval_loss"] / ref["eval_loss"] - 1 if ref else None
+        # what the faults cost: goodput relative to the failure-free run (startup, tail and merge
+        # losses divided out), beside the simulator's prediction for the same schedule
+        r["goodput_vs_reference"] = r["goodput"] / ref["goodput"] if ref else None
         algo = res["summary"]["algorithm"]
-        down = r["downtime_median_s"] or (ref and 0.0)
-        faults = r["run"] != "decoupled, no faults"
         quorum = max(1, M // 2) if algo == "decoupled" else M
-        r["simulated_goodput"] = simulated(cfg_chaos, algo, M, quorum, args.seconds, down) if faults and down else None
+        faulty = r["run"] != "decoupled, no faults" and r["downtime_median_s"]
+        r["simulated_goodput"] = (
+            simulated(cfg_chaos, algo, M, quorum, args.seconds, r["downtime_median_s"]) if faulty else None
+        )
 
     def num(fmt):
         return lambda v: "" if v is None else format(v, fmt)
@@ -197,6 +201,7 @@ def main() -> None:
     cols = [
         ("run", "run", str),
         ("goodput", "goodput", num(".3f")),
+        ("÷ no-fault run", "goodput_vs_reference", num(".3f")),
         ("simulated", "simulated_goodput", num(".3f")),
         ("uptime", "uptime", num(".3f")),
         ("tokens trained", "tokens_trained", num(",")),

@@ -114,7 +114,7 @@ class BareLearner:
         spec = json.dumps({"cfg": cfg.to_dict()})
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--bare-worker", spec],
-            env={**os.environ, **_worker_env(cfg, gpu=False)},
+            env={**os.environ, **_worker_env(cfg, accelerator=False)},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._err,
@@ -180,7 +180,7 @@ class ActorLearner:
         self.ray = ray
         ns = f"overhead-{uuid.uuid4().hex[:8]}"
         cfg_dict = cfg.to_dict()
-        env = {"env_vars": _worker_env(cfg, gpu=False)}
+        env = {"env_vars": _worker_env(cfg, accelerator=False)}
         self.run_dir = tempfile.mkdtemp(prefix="dloco-overhead-")
         opts = {"namespace": ns, "num_cpus": 0, "runtime_env": env}
         self.store = ray.remote(FragmentStore).options(name="store", **opts).remote(cfg_dict, self.run_dir)
@@ -333,7 +333,7 @@ def wait_for(pred, timeout: float, what: str, every: float = 0.1):
 def rejoins(cfg, n: int, timeout: float = 300.0) -> dict:
     from actors.launch import _worker_env, start
 
-    cache = Path(_worker_env(cfg, gpu=False)["JAX_COMPILATION_CACHE_DIR"])
+    cache = Path(_worker_env(cfg, accelerator=False)["JAX_COMPILATION_CACHE_DIR"])
     entries_at_start = cache_entries(cache)
     run_dir = Path(tempfile.mkdtemp(prefix="dloco-rejoin-"))
     t0 = time.time()
