@@ -326,19 +326,19 @@ class ChaosConfig:
     `resend_s`). The syncer and the store are killed at the listed times. 0 turns a fault off.
     """
 
-    seed: int = 0
-    mtbf_s: float = 0.0
-    freeze_mtbf_s: float = 0.0
-    freeze_s: float = 5.0
-    warmup_s: float = 0.0
-    stragglers: int = 0
-    straggler_factor: float = 1.0
-    jitter: float = 0.0
-    payload_loss: float = 0.0
-    resend_s: float = 1.0
-    syncer_kills_s: tuple[float, ...] = ()
-    store_kills_s: tuple[float, ...] = ()
-    horizon_s: float = 3600.0
+    seed: int = 0  # the schedule's seed: same seed, same faults, for every algorithm
+    mtbf_s: float = 0.0  # per-learner mean time between kills (real process kills)
+    freeze_mtbf_s: float = 0.0  # per-learner mean time between freezes
+    freeze_s: float = 5.0  # how long a freeze lasts
+    warmup_s: float = 0.0  # no learner fault before this time (the first compile)
+    stragglers: int = 0  # how many learners (a seeded choice) are slowed
+    straggler_factor: float = 1.0  # a straggler's step takes this many times longer
+    jitter: float = 0.0  # every step takes U(1, 1 + jitter) times longer, drawn per step
+    payload_loss: float = 0.0  # probability that a push is lost on the wire
+    resend_s: float = 1.0  # blocking algorithms resend a lost push after this long
+    syncer_kills_s: tuple[float, ...] = ()  # kill the syncer at these times
+    store_kills_s: tuple[float, ...] = ()  # kill the store at these times
+    horizon_s: float = 3600.0  # the schedule's length
 
     def __post_init__(self) -> None:
         for n in ("mtbf_s", "freeze_mtbf_s", "warmup_s", "jitter"):

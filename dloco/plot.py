@@ -115,7 +115,11 @@ def merged_series(run: Run) -> tuple[list[float], list[float]]:
 
 
 def goodput_series(run: Run) -> tuple[list[float], list[float]]:
-    """(t, tokens merged / tokens trained) at each evaluation with tokens trained > 0."""
+    """(t, goodput so far) from the run's ``goodput`` events (ALGORITHM.md §8); for a run written
+    before those existed, the token proxy tokens merged / tokens trained at each evaluation."""
+    readings = [e for e in run.of("goodput") if e.get("goodput") is not None]
+    if readings:
+        return [e["t"] for e in readings], [float(e["goodput"]) for e in readings]
     mt, mv = merged_series(run)
     ts, ratio, i, merged = [], [], 0, 0.0
     for t, tokens, _ in zip(*eval_series(run), strict=True):
@@ -180,7 +184,7 @@ def fig_goodput(runs: list[Run], path: Path) -> Path:
         mt, mv = merged_series(r)
         ax[0, 0].step(mt, mv, where="post", ls="--", color=line.get_color(), label=f"{r.label}: merged")
         gt, gv = goodput_series(r)
-        ax[0, 1].plot(gt, gv, marker="o", ms=3, color=line.get_color(), label=f"{r.label}: merged / trained")
+        ax[0, 1].plot(gt, gv, marker="o", ms=3, color=line.get_color(), label=f"{r.label}: goodput")
         if "goodput" in r.summary:
             end = r.summary.get("wall_time_s") or (gt[-1] if gt else 0.0)
             ax[0, 1].plot([end], [r.summary["goodput"]], marker="*", ms=12, ls="none", color=line.get_color(),

@@ -61,3 +61,26 @@ def test_merge_throughput_writes_positive_rates(tmp_path):
     assert d["params"] == 2_000_000 and d["results"]
     for r in d["results"]:
         assert r["seconds"] > 0 and r["gbps_params"] > 0, r["operation"]
+
+
+def test_goodput_benchmark_replays_one_schedule_against_each_algorithm(tmp_path):
+    out = tmp_path / "g.json"
+    run_script(
+        "goodput.py",
+        *("--learners", "2", "--seconds", "25", "--mtbf", "10", "--warmup", "6"),
+        *("--algorithms", "dp,decoupled", "--no-reference", "--out", str(out)),
+    )
+    d = json.loads(out.read_text())
+    assert [r["run"] for r in d["rows"]] == ["dp", "decoupled"]
+    scheduled = [(f["target"], f["at"]) for f in d["schedule"]]
+    assert scheduled, "the seeded schedule holds kills within the run window"
+    for run in d["runs"]:
+        with open(Path(run["run_dir"]) / "metrics.jsonl") as f:
+            faults = [json.loads(x) for x in f if '"fault"' in x]
+        # the same schedule, fault by fault, replayed against both algorithms
+        replayed = [(e["target"], e["at"]) for e in faults if e["event"] == "fault"]
+        assert replayed == scheduled[: len(replayed)] and len(replayed) >= len(scheduled) - 1
+    for r in d["rows"]:
+        assert 0 < r["goodput"] <= 1 and 0 <= r["uptime"] <= 1 and r["tokens_trained"] > 0
+        assert r["simulated_goodput"] is None or 0 < r["simulated_goodput"] <= 1
+    assert Path(out.with_suffix(".png")).stat().st_size > 10_000
