@@ -347,15 +347,19 @@ class RunHandle:
             self._finish()
 
     def _record_goodput(self, now: float) -> dict[str, float]:
-        """Goodput and uptime so far (ALGORITHM.md §8), recorded as a ``goodput`` event."""
+        """Goodput and uptime so far (ALGORITHM.md §8), recorded as a ``goodput`` event.
+
+        Decision: uptime is measured from the first commit, when the model starts advancing, so
+        the start-up (Ray, imports, the first compile) is no stall; goodput does count it.
+        """
         events, P = self.metrics(), self._bp.plan.count
+        commits = metrics.commit_times(events)
+        since = min((t for ts in commits.values() for t in ts), default=self.started)
         e = {
             "event": "goodput",
             "time": now,
             "goodput": metrics.goodput(events, now, P),
-            "uptime": metrics.uptime(
-                metrics.commit_times(events), self.started, now, self.cfg.metrics.stall_threshold_s, P
-            ),
+            "uptime": metrics.uptime(commits, since, now, self.cfg.metrics.stall_threshold_s, P),
         }
         self._record(e)
         return e
@@ -379,7 +383,9 @@ class RunHandle:
         trained = self.tokens_trained()
         statuses = list(self.status_by.values())
         faults = [e for e in events if e["event"] == "fault"]
-        down = [d["downtime_s"] for d in metrics.downtimes(events) if d["downtime_s"] is not None]
+        kills = metrics.downtimes(events)
+        down = [d["downtime_s"] for d in kills if d["downtime_s"] is not None]
+        rejoin = [d["rejoin_s"] for d in kills if d["rejoin_s"] is not None]
         self.summary = {
             "algorithm": self.cfg.algorithm,
             "eval_loss_start": self.eval_loss_start,
@@ -391,7 +397,8 @@ class RunHandle:
             "learner_time": per_learner,
             "faults": len([f for f in faults if not f.get("skipped")]),
             "faults_skipped": len([f for f in faults if f.get("skipped")]),
-            "downtime_s": sorted(down),
+            "downtime_s": sorted(down),  # kill → registered again (restart)
+            "rejoin_s": sorted(rejoin),  # kill → first merge of the new incarnation (restart + rejoin)
             "longest_commit_gaps_s": metrics.longest_commit_gaps(events, self.started, end),
             "payloads_lost": sum(e["event"] == "payload_lost" for e in events),
             "uptime": final["uptime"],

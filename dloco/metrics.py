@@ -122,25 +122,37 @@ def goodput(events: Iterable[Mapping[str, Any]], end: float, fragments: int) -> 
 
 
 def downtimes(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Each carried-out learner kill with the time until that learner registered again.
+    """Each carried-out learner kill with what it cost (ALGORITHM.md §10: restart + rejoin, measured).
 
-    A kill is a ``fault`` event of kind ``kill`` on ``learner-<m>`` that was not skipped; it ends at
-    the next registration of m (``learner_restart``, or ``learner_start`` if it was killed before it
-    first registered); ``back`` is None if the run ended first.
+    A kill is a ``fault`` event of kind ``kill`` on ``learner-<m>`` that was not skipped. Its
+    restart ends at the next registration of m (``learner_restart``, or ``learner_start`` if it was
+    killed before it first registered): ``back``, ``downtime_s`` = back − killed. Its rejoin ends at
+    the first merge holding a push of that new incarnation: ``merged_again``, ``rejoin_s`` =
+    merged_again − killed. Either is None if the run ended first.
     """
     out: list[dict[str, Any]] = []
-    open_: dict[int, dict[str, Any]] = {}
+    restarting: dict[int, dict[str, Any]] = {}
+    rejoining: dict[tuple[int, int], dict[str, Any]] = {}  # (learner, new incarnation) → its kill
     for e in sorted(events, key=lambda e: float(e.get("time", 0.0))):
         kind = e.get("event")
         if kind == "fault" and e.get("kind") == "kill" and str(e.get("target", "")).startswith("learner-"):
             if not e.get("skipped"):
                 m = int(e["target"].split("-")[1])
-                open_[m] = {"learner": m, "killed": float(e["time"]), "back": None, "downtime_s": None}
-                out.append(open_[m])
-        elif kind in ("learner_start", "learner_restart") and int(e["learner"]) in open_:
-            d = open_.pop(int(e["learner"]))
+                d = {"learner": m, "killed": float(e["time"]), "back": None, "downtime_s": None}
+                d |= {"merged_again": None, "rejoin_s": None}
+                restarting[m] = d
+                out.append(d)
+        elif kind in ("learner_start", "learner_restart") and int(e["learner"]) in restarting:
+            d = restarting.pop(int(e["learner"]))
             d["back"] = float(e["time"])
             d["downtime_s"] = d["back"] - d["killed"]
+            rejoining[(int(e["learner"]), int(e.get("incarnation", 1)))] = d
+        elif kind == "merge":
+            for m, inc in zip(e["contributors"], e.get("incarnations", ()), strict=False):
+                d = rejoining.pop((int(m), int(inc)), None)
+                if d is not None:
+                    d["merged_again"] = float(e["time"])
+                    d["rejoin_s"] = d["merged_again"] - d["killed"]
     return out
 
 

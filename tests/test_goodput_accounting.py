@@ -63,10 +63,15 @@ def test_a_restarted_learner_retraining_merged_steps_counts_them_once():
 
 
 def test_downtimes_pair_each_carried_out_kill_with_the_restart():
-    d = metrics.downtimes(TRACE)
-    assert d == [{"learner": 1, "killed": 50.0, "back": 58.0, "downtime_s": 8.0}]
+    rejoined = {**merge(64.0, 0, [0, 1], [30, 9], [5, 3], [500, 300], [1.0, 2.0]), "incarnations": [1, 2]}
+    d = metrics.downtimes([*TRACE, rejoined])
+    assert d == [
+        {"learner": 1, "killed": 50.0, "back": 58.0, "downtime_s": 8.0, "merged_again": 64.0, "rejoin_s": 14.0}
+    ]
     unfinished = metrics.downtimes([{"event": "fault", "time": 5.0, "kind": "kill", "target": "learner-2"}])
-    assert unfinished == [{"learner": 2, "killed": 5.0, "back": None, "downtime_s": None}]
+    assert unfinished == [
+        {"learner": 2, "killed": 5.0, "back": None, "downtime_s": None, "merged_again": None, "rejoin_s": None}
+    ]
 
 
 def test_uptime_with_quorum_one_stays_one_while_a_learner_is_dead():
