@@ -60,7 +60,8 @@ class Learner:
         groups = self.cfg.learners.expand()
         self.slowdown = groups[min(learner_id, len(groups) - 1)].slowdown
         self.straggler = learner_id in chaos.stragglers(self.cfg.chaos, self.cfg.learners.count)
-        self.cycles: deque[float] = deque(maxlen=64)  # seconds per step, waits included
+        self.busy: deque[float] = deque(maxlen=64)  # per step: seconds of work (step, polls, pushes)
+        self.waits: deque[float] = deque(maxlen=64)  # per step: seconds blocked waiting for merges
         self._events: list[dict] = []
         self._lost: list[tuple[float, object]] = []  # blocking algorithms: (lost at, push) to resend
         self._frozen_until = 0.0
@@ -82,15 +83,16 @@ class Learner:
         """Trains until `stop()` (or `max_steps` local steps); returns the final status."""
         core, last = self.core, None
         while not self._stop.is_set() and (max_steps is None or core.step_count < max_steps):
-            self._wait_while_frozen()
+            frozen = self._wait_while_frozen()
             self._receive(block=False)
             core.apply_inbox()
+            w0 = time.perf_counter()
             while core.waiting_for() and not self._stop.is_set():  # blocking algorithms only
                 self._resend_lost()
                 self._receive(block=True, timeout=self.cfg.chaos.resend_s)
                 core.apply_inbox()
             t0 = time.perf_counter()
-            cycle = typical_cycle(self.cycles)
+            cycle = typical_cycle(self.busy, self.waits)
             metrics, pushes = core.step(step_time=self.step_time.value or 0.0, cycle_time=cycle)
             factor = self.slowdown * chaos.step_factor(self.cfg.chaos, self.learner_id, core.step_count, self.straggler)
             if factor > 1:
@@ -98,7 +100,9 @@ class Learner:
             t1 = time.perf_counter()
             if core.step_count > self.start_step + 1:  # the first step of an incarnation compiles
                 self.step_time.update(t1 - t0)
-                self.cycles.append(t1 - last)
+                # a step's cycle, end to end, less the freeze: time blocked on merges, and the rest
+                self.waits.append(t0 - w0)
+                self.busy.append(t1 - last - frozen - (t0 - w0))
             last = t1
             self.loss.update(metrics["loss"])
             for push in pushes:
@@ -145,9 +149,12 @@ class Learner:
             self._send(push)
         self._lost = keep
 
-    def _wait_while_frozen(self) -> None:
+    def _wait_while_frozen(self) -> float:
+        """Sleeps out a freeze; returns how long it slept."""
+        t0 = time.perf_counter()
         while time.time() < self._frozen_until and not self._stop.is_set():
             time.sleep(0.02)
+        return time.perf_counter() - t0
 
     def freeze(self, seconds: float) -> None:
         """Chaos: alive but silent (no steps, pushes or polls) for `seconds` from now."""
@@ -192,7 +199,7 @@ class Learner:
             "tokens_this_incarnation": (c.step_count - self.start_step) * c.tokens_per_step,
             "loss": self.loss.value,
             "step_time": self.step_time.value,
-            "cycle_time": typical_cycle(self.cycles),
+            "cycle_time": typical_cycle(self.busy, self.waits),
             "frozen": time.time() < self._frozen_until,
             "resyncs": c.resyncs,
             "pushes": self.pushes,

@@ -12,11 +12,12 @@ Goodput = learner-time whose progress was merged ÷ learner-time provisioned:
 
 `new_steps_m` counts the steps of m's merged push (its c_steps up to its step t) that were not
 merged into that fragment before (`learner_time`), and `cycle_m` is the learner's typical seconds
-per step at that push (`typical_cycle`: waits for merges included, stalled steps left out); a
+per step at that push (`typical_cycle`: its mean work per step plus its typical wait for merges,
+stalled waits left out); a
 step's progress reaches the model fragment by fragment, hence the mean over the P fragments.
 
 Decision: the typical cycle, not each step's own duration, values a merged step, so the normal
-cost of a synchronous step (its all-reduce) counts as productive while a step stretched by a stall
+wait of a synchronous step (its all-reduce) counts as productive while a wait stretched by a stall
 (a lock-step peer dead or frozen) counts only its normal length; steps never merged (lost with a
 killed learner, overwritten after an install, trained after the run's last merge) count nothing.
 """
@@ -66,17 +67,22 @@ def uptime(
     return max(0.0, 1.0 - total / (end - start))
 
 
-def typical_cycle(cycles: Sequence[float], outlier: float = 3.0) -> float:
-    """Mean seconds per step over `cycles`, leaving out those longer than `outlier` × their median.
+def typical_cycle(busy: Sequence[float], waits: Sequence[float] = (), outlier: float = 3.0) -> float:
+    """Typical seconds per step: mean work per step plus the typical wait for merges.
 
-    A stalled step (a lock-step peer dead or frozen, a restart) is far longer than `outlier`
-    normal steps and is left out; ordinary jitter is kept, so the value stays unbiased.
+    `busy` holds each recent step's working time (the step, polls, installs, pushes), `waits` its
+    time blocked waiting for a merge (blocking algorithms only). Waits longer than `outlier` × their
+    median are stalls (a lock-step peer dead or frozen) and left out; work is averaged as it is,
+    slow steps included, since that time was spent on progress.
     """
-    if not cycles:
+    if not busy:
         return 0.0
-    med = statistics.median(cycles)
-    kept = [c for c in cycles if c <= outlier * med]
-    return sum(kept) / len(kept)
+    work = sum(busy) / len(busy)
+    if not waits:
+        return work
+    med = statistics.median(waits)
+    kept = [w for w in waits if w <= outlier * med]
+    return work + (sum(kept) / len(kept) if kept else 0.0)
 
 
 def learner_time(events: Iterable[Mapping[str, Any]], end: float, fragments: int) -> dict[int, dict[str, float]]:

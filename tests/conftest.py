@@ -1,6 +1,7 @@
 """Test environment: JAX on CPU with two virtual devices, few threads, no Ray started here."""
 
 import os
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -47,3 +48,14 @@ def ray_cluster():
     )
     yield
     ray.shutdown()
+
+
+def wait_for(pred, timeout=120.0, every=0.25):
+    """Polls `pred` until it returns something truthy (returned) or `timeout` seconds pass (fails)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout} s")

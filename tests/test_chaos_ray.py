@@ -2,9 +2,8 @@
 reconfigures around it, decoupled (K = 1) keeps advancing, and a seeded schedule is carried out
 and logged fault by fault."""
 
-import time
-
 import pytest
+from conftest import wait_for
 
 from dloco import chaos, config, metrics
 
@@ -13,16 +12,6 @@ pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 RUN = ("metrics.eval_every_s=1000", "learners.num_cpus=0.5", "budget.tokens=0", "budget.seconds=600")
-
-
-def wait_for(pred, timeout=120.0, every=0.25):
-    end = time.time() + timeout
-    while time.time() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def dp_run(tiny_run, *overrides):

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import wait_for
 
 from dloco import config
 
@@ -21,16 +22,6 @@ RUN = ("metrics.eval_every_s=1000", "store.snapshot_every=4", "learners.num_cpus
 @pytest.fixture
 def cfg_for(tiny_run):
     return lambda *overrides: config.load(overrides=(*tiny_run, *RUN, *overrides))
-
-
-def wait_for(pred, timeout=120.0, every=0.25):
-    end = time.time() + timeout
-    while time.time() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def merges(handle, after=0.0):
