@@ -29,6 +29,7 @@ from typing import Any
 
 import ray
 
+from actors import isolation
 from actors.learner import Learner
 from actors.store import FragmentStore
 from actors.syncer import Syncer
@@ -429,6 +430,9 @@ class RunHandle:
         self._thread.join()
         for a in [*self.learners.values(), self.syncer, self.store]:
             ray.kill(a, no_restart=True)
+        if self.cfg.learners.cpu_limit > 0:
+            time.sleep(1.0)  # let the killed learner processes exit their cgroups
+            isolation.release(f"{self.namespace}-learner-")
         self._metrics_file.close()
         self._tensorboard.close()
         if self.owns_ray:

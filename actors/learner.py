@@ -25,6 +25,7 @@ from collections import deque
 import ray
 from ray.exceptions import RayError
 
+from actors.isolation import limit_cpu
 from dloco import build, chaos, inner
 from dloco.config import from_dict
 from dloco.data import Cursor
@@ -37,6 +38,8 @@ class Learner:
     def __init__(self, cfg: dict, learner_id: int, store_name: str, syncer_name: str, namespace: str | None = None):
         self.cfg = from_dict(cfg)
         self.learner_id = learner_id
+        if self.cfg.learners.cpu_limit > 0:  # first, so that the (re)start itself runs on its share
+            limit_cpu(f"{namespace or 'default'}-learner-{learner_id}", self.cfg.learners.cpu_limit)
         self.store = ray.get_actor(store_name, namespace=namespace)
         self.syncer = ray.get_actor(syncer_name, namespace=namespace)
         bp = build.blueprint(self.cfg)

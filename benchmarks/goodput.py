@@ -5,7 +5,10 @@ same wall time (`--seconds`), under the same `chaos:` section: learner processes
 (Ray restarts them; their downtime is what restart + JAX import + compile + rejoin costs here),
 at the same seeded times (`dloco.chaos.schedule`). A wall-time budget, not a token budget, so
 that each run sees the whole schedule; tokens trained and merged are reported beside it. A
-failure-free decoupled run gives the reference eval loss.
+failure-free decoupled run gives the reference eval loss. Each learner process is capped at its
+share of the machine's cores (`learners.cpu_limit`, a cgroup), as if it had a host of its own:
+otherwise a restarting learner competes with every learner still training (decoupled), or gets
+the whole machine while the others wait (dp), and the restart cost measures the test box.
 
 Goodput, uptime, downtime and stalls are computed from each run's events (`dloco.metrics`;
 ALGORITHM.md §8); each run's directory keeps its ``metrics.jsonl``, so every number traces back
@@ -36,6 +39,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from actors import isolation  # noqa: E402
 from dloco import chaos, config  # noqa: E402
 
 # A 60k-parameter model: steps are cheap, so six learners share two cores and the run is
@@ -75,6 +79,7 @@ def row(r: dict) -> dict:
     down, rejoin = s["downtime_s"], s["rejoin_s"]
     return {
         "run": r["name"],
+        "cpu_limit": r["summary"]["config"]["learners"]["cpu_limit"],
         "goodput": s["goodput"],
         "uptime": s["uptime"],
         "tokens_trained": s["tokens_trained"],
@@ -139,16 +144,30 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--algorithms", default="dp,elastic_dp,decoupled")
     ap.add_argument("--no-reference", action="store_true", help="skip the failure-free decoupled run")
+    ap.add_argument(
+        "--cpu-limit",
+        type=float,
+        default=None,
+        help="cores per learner process (learners.cpu_limit; default: this machine's cores / learners "
+        "where cgroups allow, so a restart costs what it would on a learner's own host; 0: no cap)",
+    )
     ap.add_argument("--out", default="benchmarks/results/goodput.json")
     args = ap.parse_args()
     if args.quick:
         args.seconds = min(args.seconds, 120.0)
     M = args.learners
+    if args.cpu_limit is None:
+        try:
+            isolation_ok = bool(isolation._root())
+        except RuntimeError:
+            isolation_ok = False
+        args.cpu_limit = round((os.cpu_count() or 1) / M, 3) if isolation_ok else 0.0
     chaos_set = [f"chaos.seed={args.seed}", f"chaos.mtbf_s={args.mtbf}", f"chaos.warmup_s={args.warmup}"]
     common = [
         *MODEL,
         f"learners.count={M}",
         f"learners.num_cpus={2.0 / M}",
+        f"learners.cpu_limit={args.cpu_limit}",
         f"data.shards={max(64, M)}",
         "budget.tokens=0",
         f"budget.seconds={args.seconds}",
@@ -165,7 +184,8 @@ def main() -> None:
     schedule = chaos.schedule(cfg_chaos, M)
     in_run = [f for f in schedule if f.at < args.seconds]
     print(
-        f"{M} learners, {args.seconds:.0f} s per run, per-learner MTBF {args.mtbf:.0f} s (seed {args.seed}): "
+        f"{M} learners ({args.cpu_limit or 'uncapped'} cores each), {args.seconds:.0f} s per run, "
+        f"per-learner MTBF {args.mtbf:.0f} s (seed {args.seed}): "
         f"{len(in_run)} kills scheduled in the run window, "
         f"{chaos.expected_failures(cfg_chaos, M, args.seconds):.1f} expected",
         flush=True,

@@ -260,7 +260,9 @@ class LearnerGroup:
 class LearnersConfig:
     """M learners (ALGORITHM.md §1): `count` identical ones, or `groups` (then M = Σ counts).
 
-    Scaling a run is one line: ``learners.count=8``, or a group's ``count``.
+    Scaling a run is one line: ``learners.count=8``, or a group's ``count``. `cpu_limit` > 0 caps
+    every learner process at that many CPU cores with a Linux cgroup, so that learners sharing one
+    test machine behave like learners on their own hosts (`actors.isolation`; needs root).
     """
 
     count: int = 4
@@ -269,6 +271,7 @@ class LearnersConfig:
     resources: Mapping[str, float] = field(default_factory=dict)
     xla_threads: int = 1
     groups: tuple[LearnerGroup, ...] = ()
+    cpu_limit: float = 0.0  # emulated hosts: cap each learner process at this many cores (0: no cap)
 
     def __post_init__(self) -> None:
         _positive("learners", self, "xla_threads")
@@ -279,6 +282,7 @@ class LearnersConfig:
         _check(self.count >= 1, "learners.count", self.count, "must be >= 1")
         _check(self.num_cpus >= 0, "learners.num_cpus", self.num_cpus, "must be >= 0")
         _check(self.num_gpus >= 0, "learners.num_gpus", self.num_gpus, "must be >= 0")
+        _check(self.cpu_limit >= 0, "learners.cpu_limit", self.cpu_limit, "must be >= 0 cores (0: no cap)")
         for k, v in self.resources.items():
             _check(v >= 0, f"learners.resources.{k}", v, "must be >= 0")
 
