@@ -367,6 +367,9 @@ class RunHandle:
 
     def _finish(self) -> None:
         self._stop_requested.set()  # no scheduled fault after this point
+        # The accounting window ends here, when the run is told to stop: waiting below for learners
+        # to finish their step (or a restart to finish) is no provisioned training time.
+        stop_at = time.time()
         for a in self.learners.values():
             a.stop.remote()
         ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=60)
@@ -376,10 +379,10 @@ class RunHandle:
         end_loss = self.evaluate()
         end = time.time()
         self._record({"event": "eval", "time": end, "loss": end_loss, "tokens": self.tokens_trained()})
-        final = self._record_goodput(end)
+        final = self._record_goodput(stop_at)
         store = ray.get(self.store.summary.remote())
         events = self.metrics()
-        per_learner = metrics.learner_time(events, end, self._bp.plan.count)
+        per_learner = metrics.learner_time(events, stop_at, self._bp.plan.count)
         merged = sum(v["merged_tokens"] for v in per_learner.values())
         trained = self.tokens_trained()
         statuses = list(self.status_by.values())
@@ -400,7 +403,7 @@ class RunHandle:
             "faults_skipped": len([f for f in faults if f.get("skipped")]),
             "downtime_s": sorted(down),  # kill → registered again (restart)
             "rejoin_s": sorted(rejoin),  # kill → first merge of the new incarnation (restart + rejoin)
-            "longest_commit_gaps_s": metrics.longest_commit_gaps(events, self.started, end),
+            "longest_commit_gaps_s": metrics.longest_commit_gaps(events, self.started, stop_at),
             "payloads_lost": sum(e["event"] == "payload_lost" for e in events),
             "uptime": final["uptime"],
             "merges": sum(e["event"] == "merge" for e in events),
