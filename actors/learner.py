@@ -101,7 +101,7 @@ class Learner:
             if factor > 1:
                 time.sleep((factor - 1) * (time.perf_counter() - t0))
             t1 = time.perf_counter()
-            if core.step_count > self.start_step + 1:  # the first step of an incarnation compiles
+            if last is not None and core.step_count > self.start_step + 1:  # the first step compiles
                 self.step_time.update(t1 - t0)
                 # a step's cycle, end to end, less the freeze: time blocked on merges, and the rest
                 self.waits.append(t0 - w0)
