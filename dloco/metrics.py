@@ -85,17 +85,45 @@ def typical_cycle(busy: Sequence[float], waits: Sequence[float] = (), outlier: f
     return work + (sum(kept) / len(kept) if kept else 0.0)
 
 
+def merged_progress(events: Iterable[Mapping[str, Any]], fragments: int) -> list[dict[str, float]]:
+    """What each merged push added to the global model, in time order: one record per contributor
+    of each merge with its ``time``, ``learner``, ``seconds`` (new steps × typical step time / P)
+    and ``tokens`` (new steps × tokens per step / P).
+
+    A merged push of learner m at local step s with c_steps = n covers its steps (s − n, s] of that
+    fragment; only steps beyond the highest one already merged into the fragment are new, so
+    progress that reached the model twice (a push sent before the previous one's merge was
+    installed) or was retrained after a restart counts once.
+    """
+    out: list[dict[str, float]] = []
+    merged_to: dict[tuple[int, int], int] = {}  # (learner, fragment) → highest step merged
+    for e in sorted(events, key=lambda e: float(e.get("time", 0.0))):
+        if e.get("event") != "merge":
+            continue
+        p = int(e["fragment"])
+        cycles = e.get("cycle_s") or [0.0] * len(e["contributors"])
+        for m, step, n, tok, cycle in zip(
+            e["contributors"], e["steps"], e["inner_steps"], e["tokens"], cycles, strict=True
+        ):
+            hi = merged_to.get((int(m), p), -1)
+            new = max(0, step - max(hi, step - n))
+            merged_to[(int(m), p)] = max(hi, step)
+            per_step = tok / n if n else 0.0
+            out.append(
+                {"time": float(e["time"]), "learner": int(m), "seconds": new * cycle / fragments,
+                 "tokens": new * per_step / fragments}
+            )  # fmt: skip
+    return out
+
+
 def learner_time(events: Iterable[Mapping[str, Any]], end: float, fragments: int) -> dict[int, dict[str, float]]:
     """Per learner: ``provisioned`` and ``merged`` seconds and ``merged_tokens`` (module docstring).
 
     Provisioning starts at the learner's ``learner_start`` event and ends at `end` or at its
-    ``learner_stop`` (it left the run for good). A merged push of learner m at local step s with
-    c_steps = n covers its steps (s − n, s] of that fragment; only steps beyond the highest one
-    already merged into the fragment count, so progress that reached the model twice (a push
-    sent before the previous one's merge was installed) or was retrained after a restart counts once.
+    ``learner_stop`` (it left the run for good); merged time and tokens are `merged_progress`'s.
     """
+    events = list(events)
     out: dict[int, dict[str, float]] = {}
-    merged_to: dict[tuple[int, int], int] = {}  # (learner, fragment) → highest step merged
     for e in sorted(events, key=lambda e: float(e.get("time", 0.0))):
         kind = e.get("event")
         if kind in ("learner_start", "merge"):
@@ -103,17 +131,9 @@ def learner_time(events: Iterable[Mapping[str, Any]], end: float, fragments: int
                 out.setdefault(int(m), {"start": float(e["time"]), "stop": end, "merged": 0.0, "merged_tokens": 0.0})
         if kind == "learner_stop" and int(e["learner"]) in out:
             out[int(e["learner"])]["stop"] = float(e["time"])
-        elif kind == "merge":
-            p = int(e["fragment"])
-            cycles = e.get("cycle_s") or [0.0] * len(e["contributors"])
-            for m, step, n, tok, cycle in zip(
-                e["contributors"], e["steps"], e["inner_steps"], e["tokens"], cycles, strict=True
-            ):
-                hi = merged_to.get((int(m), p), -1)
-                new = max(0, step - max(hi, step - n))
-                merged_to[(int(m), p)] = max(hi, step)
-                out[int(m)]["merged"] += new * cycle / fragments
-                out[int(m)]["merged_tokens"] += new * (tok / n if n else 0.0) / fragments
+    for r in merged_progress(events, fragments):
+        out[r["learner"]]["merged"] += r["seconds"]
+        out[r["learner"]]["merged_tokens"] += r["tokens"]
     return {
         m: {"provisioned": max(0.0, v["stop"] - v["start"]), "merged": v["merged"], "merged_tokens": v["merged_tokens"]}
         for m, v in out.items()

@@ -4,15 +4,16 @@ Reads each run directory's ``metrics.jsonl`` and, when present, ``summary.json``
 ``config.json``, and writes PNG files (matplotlib's Agg canvas, imported only when plotting):
 
 - ``eval_loss.png``: eval loss vs tokens trained and vs seconds of run time, one line per run;
-- ``goodput.png``: tokens trained and tokens merged over time, and their ratio (the token proxy of
-  goodput, ALGORITHM.md §8), with the summary's goodput marked at the run's end;
+- ``goodput.png``: tokens trained and tokens merged over time, and goodput over time from the
+  run's ``goodput`` events (ALGORITHM.md §8; the token ratio for older runs), with the summary's
+  goodput marked at the run's end;
 - ``wire.png``: cumulative bytes on the wire over time, learners → syncer (the merged payloads,
   ``bytes_in``) and syncer → learners (one copy of each merged fragment, ``bytes_out``);
 - ``fragments_{run}.png``, one per run: per-fragment quorum size, grace used vs slack (and the
   grace window), and mean staleness of each merge over time (ALGORITHM.md §5).
 
-Runs are told apart by directory name, algorithm and M. Tokens merged follow the token ledger:
-Σ merged c_tok of fragment p's merges, divided by P (a token is merged once every fragment has it).
+Runs are told apart by directory name, algorithm and M. Tokens merged follow the run accounting
+(`dloco.metrics.merged_progress`): each step's progress counts once per fragment, divided by P.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dloco import metrics
 
 
 @dataclass
@@ -105,12 +108,14 @@ def eval_series(run: Run) -> tuple[list[float], list[float], list[float]]:
 
 
 def merged_series(run: Run) -> tuple[list[float], list[float]]:
-    """(t, cumulative tokens merged) after each merge: Σ merged c_tok / P."""
-    ts, out, total, p = [], [], 0.0, run.fragments
-    for e in run.of("merge"):
-        total += float(sum(e.get("tokens") or ()))
-        ts.append(e["t"])
-        out.append(total / p)
+    """(t, cumulative tokens merged) after each merge, each step's progress counted once
+    (`dloco.metrics.merged_progress`)."""
+    ts, out, total = [], [], 0.0
+    start = run.events[0].get("time", 0.0) - run.events[0].get("t", 0.0) if run.events else 0.0
+    for r in metrics.merged_progress(run.events, run.fragments):
+        total += r["tokens"]
+        ts.append(r["time"] - start)
+        out.append(total)
     return ts, out
 
 
