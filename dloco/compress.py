@@ -1,12 +1,14 @@
 """Wire compression of float32 pseudo-gradient deltas (ALGORITHM.md §7).
 
 A delta ``x`` travels as a :class:`Payload` that holds only plain numpy arrays, so Ray's object store
-can carry it zero-copy. Four wire dtypes:
+can carry it zero-copy. Five wire dtypes:
 
 * ``fp32``: identity, 4 bytes per value.
 * ``bf16``: round-to-nearest-even cast to bfloat16, stored as its ``uint16`` bit pattern, 2 bytes.
 * ``int8``: blockwise absmax quantization with ``L = 127`` levels per sign, 1 byte per value.
 * ``int4``: the same with ``L = 7``, two values per byte (``q + 8`` in a nibble, even index low).
+* ``int2``: the same with ``L = 1`` (ternary codes −1, 0, 1), four values per byte (``q + 1`` in
+  two bits, index ``4j + k`` at bits ``2k``). The aggressive 2-bit variant for ablations.
 
 For the integer dtypes the flattened ``x`` is zero-padded to a multiple of ``block`` and cut into
 blocks ``b``. Each block gets one float16 scale and integer codes::
@@ -33,9 +35,11 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-DTYPES = ("fp32", "bf16", "int8", "int4")
+DTYPES = ("fp32", "bf16", "int8", "int4", "int2")
 
-_LEVELS = {"int8": 127, "int4": 7}
+_LEVELS = {"int8": 127, "int4": 7, "int2": 1}
+# Codes per stored byte of the integer dtypes.
+_PER_BYTE = {"int8": 1, "int4": 2, "int2": 4}
 _FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 # Rows per chunk when (de)quantizing: 2**17 values (512 KiB of float32) keep the temporaries in
 # cache, so each value crosses main memory once; the Python loop runs over chunks, never blocks.
@@ -51,11 +55,12 @@ class Payload:
       shape: shape of the original array; :func:`decode` restores it.
       data: ``float32`` of ``shape`` (fp32); ``uint16`` bf16 bit patterns of ``shape`` (bf16);
         ``int8`` codes of length ``n_pad`` (int8); ``uint8`` packed nibbles of length ``n_pad / 2``
-        (int4). ``n_pad`` is the value count rounded up to a multiple of ``block``; the padding
-        codes are zeros and travel, so they are counted.
-      scales: ``float16`` per-block scales ``s_b`` of length ``n_pad / block`` (int8, int4), else
-        ``None``.
-      block: values per scale block (carried for every dtype, used by int8 and int4).
+        (int4); ``uint8`` packed 2-bit codes of length ``n_pad / 4`` (int2). ``n_pad`` is the
+        value count rounded up to a multiple of ``block``; the padding codes are zeros and travel,
+        so they are counted.
+      scales: ``float16`` per-block scales ``s_b`` of length ``n_pad / block`` (int8, int4, int2),
+        else ``None``.
+      block: values per scale block (carried for every dtype, used by the integer dtypes).
 
     Raises:
       ValueError: when the arrays do not match ``dtype``, ``shape`` and ``block`` (a malformed
@@ -73,8 +78,8 @@ class Payload:
         n = _size(self.shape)
         if self.dtype in _LEVELS:
             n_blocks = -(-n // self.block)
-            n_data = n_blocks * self.block // (2 if self.dtype == "int4" else 1)
-            expected = {"int8": np.int8, "int4": np.uint8}[self.dtype]
+            n_data = n_blocks * self.block // _PER_BYTE[self.dtype]
+            expected = np.int8 if self.dtype == "int8" else np.uint8
             if self.scales is None or self.scales.dtype != np.float16 or self.scales.shape != (n_blocks,):
                 raise ValueError(
                     f"Payload {self.dtype}: scales must be float16 of shape ({n_blocks},), got "
@@ -103,21 +108,21 @@ class Payload:
 def encode(x: np.ndarray, dtype: str, block: int = 128) -> Payload:
     """Compresses ``x`` for the wire.
 
-    For int8/int4, per block ``b`` of the flattened, zero-padded ``x``::
+    For int8/int4/int2, per block ``b`` of the flattened, zero-padded ``x``::
 
-      s_b = ↑fp16(max_i |x_i| / L),   q_i = clip(rint(x_i / s_b), −L, L),   L ∈ {127, 7}
+      s_b = ↑fp16(max_i |x_i| / L),   q_i = clip(rint(x_i / s_b), −L, L),   L ∈ {127, 7, 1}
 
     Args:
       x: array of any shape (0-d and empty included), cast to float32.
       dtype: wire dtype, one of :data:`DTYPES`.
-      block: values per scale block; at least 2, even for int4.
+      block: values per scale block; at least 2, even for int4, a multiple of 4 for int2.
 
     Returns:
       A :class:`Payload`. For ``fp32`` its ``data`` is ``x`` itself when ``x`` is already a
       C-contiguous float32 array (no copy).
 
     Raises:
-      ValueError: unknown ``dtype``, bad ``block``, non-finite values in ``x``, or (int8/int4) a
+      ValueError: unknown ``dtype``, bad ``block``, non-finite values in ``x``, or (integer dtypes) a
         block whose scale ``max|x| / L`` exceeds the float16 maximum 65504.
     """
     _check_dtype_block(dtype, block)
@@ -138,9 +143,9 @@ def encode(x: np.ndarray, dtype: str, block: int = 128) -> Payload:
     n_full = n // block
     n_blocks = -(-n // block)
     scales = np.empty(n_blocks, np.float16)
-    # Codes are written block row by block row; int4 rows are half as wide (two codes per byte).
-    row_bytes = block // 2 if dtype == "int4" else block
-    data = np.empty((n_blocks, row_bytes), np.uint8 if dtype == "int4" else np.int8)
+    # Codes are written block row by block row; packed rows are 2 (int4) or 4 (int2) times narrower.
+    row_bytes = block // _PER_BYTE[dtype]
+    data = np.empty((n_blocks, row_bytes), np.int8 if dtype == "int8" else np.uint8)
     _quantize_rows(flat[: n_full * block].reshape(n_full, block), levels, scales[:n_full], data[:n_full], dtype)
     if n_blocks > n_full:  # the last, partial block: pad a copy of at most block − 1 values
         tail = np.zeros((1, block), np.float32)
@@ -150,7 +155,7 @@ def encode(x: np.ndarray, dtype: str, block: int = 128) -> Payload:
 
 
 def decode(p: Payload) -> np.ndarray:
-    """Restores a float32 array of ``p.shape``: ``x̂_i = q_i · s_b`` for int8/int4.
+    """Restores a float32 array of ``p.shape``: ``x̂_i = q_i · s_b`` for the integer dtypes.
 
     Args:
       p: a payload from :func:`encode`.
@@ -166,10 +171,11 @@ def decode(p: Payload) -> np.ndarray:
     n_blocks = p.scales.shape[0]
     out = np.empty((n_blocks, p.block), np.float32)
     scales = p.scales.astype(np.float32)
-    codes = p.data.reshape(n_blocks, p.block // 2 if p.dtype == "int4" else p.block)
+    per_byte = _PER_BYTE[p.dtype]
+    codes = p.data.reshape(n_blocks, p.block // per_byte)
     rows = max(1, _CHUNK_VALUES // p.block)
-    if p.dtype == "int4":
-        half = np.empty((rows, p.block // 2), np.int8)
+    if per_byte > 1:
+        half = np.empty((rows, p.block // per_byte), np.int8)
     for i in range(0, n_blocks, rows):
         s = scales[i : i + rows, None]
         o = out[i : i + rows]
@@ -178,6 +184,13 @@ def decode(p: Payload) -> np.ndarray:
             np.multiply(c, s, out=o)
             continue
         h = half[: c.shape[0]]
+        if p.dtype == "int2":  # q = two bits − 1; index 4j + k sits at bits 2k of byte j
+            for k in range(4):
+                np.right_shift(c, 2 * k, out=h, casting="unsafe")
+                np.bitwise_and(h, 0x03, out=h)
+                np.subtract(h, 1, out=h)
+                np.multiply(h, s, out=o[:, k::4])
+            continue
         # q = nibble − 8; the low nibble holds the even index, the high nibble the odd one.
         np.bitwise_and(c, 0x0F, out=h, casting="unsafe")
         np.subtract(h, 8, out=h)
@@ -230,7 +243,7 @@ def encode_with_feedback(
 
 
 def max_abs_error(p: Payload) -> np.ndarray | None:
-    """Per-block bound on the round-trip error: ``s_b / 2`` as float32 (int8, int4).
+    """Per-block bound on the round-trip error: ``s_b / 2`` as float32 (int8, int4, int2).
 
     ``|x_i − x̂_i| ≤ s_b / 2`` holds up to a relative excess below 2⁻¹⁶ from the float32 rounding
     of ``x_i / s_b``.
@@ -252,7 +265,7 @@ def _quantize_rows(blocks: np.ndarray, levels: int, scales: np.ndarray, data: np
     n_rows, block = blocks.shape
     rows = max(1, _CHUNK_VALUES // block)
     work = np.empty((min(rows, n_rows), block), np.float32)
-    if dtype == "int4":
+    if dtype in ("int4", "int2"):
         nibbles = np.empty((min(rows, n_rows), block), np.uint8)
     for i in range(0, n_rows, rows):
         b = blocks[i : i + rows]
@@ -269,9 +282,15 @@ def _quantize_rows(blocks: np.ndarray, levels: int, scales: np.ndarray, data: np
             np.copyto(data[i : i + rows], w, casting="unsafe")
             continue
         u = nibbles[: b.shape[0]]
-        np.add(w, 8, out=w)
+        np.add(w, 8 if dtype == "int4" else 1, out=w)  # unsigned codes: q + 8 (int4), q + 1 (int2)
         np.copyto(u, w, casting="unsafe")
         d = data[i : i + rows]
+        if dtype == "int2":
+            np.left_shift(u[:, 3::4], 6, out=d)
+            for k in (2, 1):
+                np.bitwise_or(d, np.left_shift(u[:, k::4], 2 * k), out=d)
+            np.bitwise_or(d, u[:, 0::4], out=d)
+            continue
         np.left_shift(u[:, 1::2], 4, out=d)
         np.bitwise_or(d, u[:, 0::2], out=d)
 
@@ -304,8 +323,9 @@ def _check_dtype_block(dtype: str, block: int) -> None:
         raise ValueError(f"block must be an integer, got {block!r}") from None
     if block < 2:
         raise ValueError(f"block must be >= 2, got {block}")
-    if dtype == "int4" and block % 2:
-        raise ValueError(f"block must be even for int4 (two values per byte), got {block}")
+    if dtype in _PER_BYTE and block % _PER_BYTE[dtype]:
+        n = _PER_BYTE[dtype]
+        raise ValueError(f"block must be a multiple of {n} for {dtype} ({n} values per byte), got {block}")
 
 
 def _size(shape: tuple[int, ...]) -> int:

@@ -36,6 +36,18 @@ def _assert_within_half_step(x, p):
 # --- hand-computed values -------------------------------------------------------------------------
 
 
+def test_int2_hand_example_is_ternary_packed_four_per_byte():
+    # absmax 1 → s = 1 (L = 1); q = rint(x) ∈ {−1, 0, 1}; code q + 1 of index 4j + k at bits 2k.
+    x = np.array([0.3, -1.0, 0.6, 0.0, 1.0, -0.2, -0.7, 0.9], np.float32)
+    p = encode(x, "int2", block=4)
+    np.testing.assert_array_equal(p.scales, np.array([1.0, 1.0], np.float16))
+    assert p.data.tolist() == [1 | 0 << 2 | 2 << 4 | 1 << 6, 2 | 1 << 2 | 0 << 4 | 2 << 6]
+    np.testing.assert_array_equal(decode(p), np.array([0, -1, 1, 0, 1, 0, -1, 1], np.float32))
+    assert p.nbytes == 2 + 2 * 2
+    with pytest.raises(ValueError, match="block must be a multiple of 4 for int2"):
+        encode(x, "int2", block=6)
+
+
 def test_int4_hand_example():
     # absmax 3.5, s = 3.5 / 7 = 0.5 (exact in fp16), q = [0, 2, -4, 7], nibbles q + 8 = [8, 10, 4, 15].
     p = encode(np.array([0.0, 1.0, -2.0, 3.5], np.float32), "int4", block=4)
@@ -87,7 +99,8 @@ def test_bf16_hand_values_round_half_to_even():
 
 
 @pytest.mark.parametrize(
-    "dtype, expected", [("fp32", 4000), ("bf16", 2000), ("int8", 1024 + 8 * 2), ("int4", 512 + 8 * 2)]
+    "dtype, expected",
+    [("fp32", 4000), ("bf16", 2000), ("int8", 1024 + 8 * 2), ("int4", 512 + 8 * 2), ("int2", 256 + 8 * 2)],
 )
 def test_nbytes_exact(dtype, expected):
     x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
@@ -119,16 +132,18 @@ def test_bf16_matches_ml_dtypes_round_trip():
 # --- error bound ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("n, block", [(1000, 128), (4096, 128), (77, 8), (130, 2)])
 def test_round_trip_within_half_step_across_magnitudes(dtype, n, block):
+    if dtype == "int2" and block % 4:
+        block = 4
     rng = np.random.default_rng(n + block)
     n_blocks = -(-n // block)
     magnitude = np.repeat(10.0 ** rng.uniform(-6, 3, n_blocks), block)[:n]
     x = (rng.standard_normal(n) * magnitude).astype(np.float32)
     p = encode(x, dtype, block=block)
     _assert_within_half_step(x, p)
-    levels = 127 if dtype == "int8" else 7
+    levels = {"int8": 127, "int4": 7, "int2": 1}[dtype]
     # The scale is the smallest fp16 with s · L ≥ absmax (up to the float32 rounding of absmax / L).
     absmax = np.zeros(n_blocks * block)
     absmax[:n] = np.abs(x)
@@ -152,8 +167,9 @@ def test_zeros_empty_and_zero_dim():
         if p.scales is None:
             assert float(decode(p)) == -2.5  # exact in bf16
         else:
-            # q = −L: int8 −127; int4 low nibble −7 + 8 = 1, high nibble the padding 0 + 8.
-            assert p.data[0] == (-127 if dtype == "int8" else 1 | 8 << 4)
+            # q = −L: int8 −127; int4 low nibble −7 + 8 = 1, high nibble the padding 0 + 8;
+            # int2 bits 0-1 hold −1 + 1 = 0, the three padding codes 0 + 1 = 1 the higher bits.
+            assert p.data[0] == {"int8": -127, "int4": 1 | 8 << 4, "int2": 1 << 2 | 1 << 4 | 1 << 6}[dtype]
             _assert_within_half_step(np.float32(-2.5), p)
     p = encode(np.zeros(256, np.float32), "int8")
     np.testing.assert_array_equal(p.scales, np.zeros(2, np.float16))
@@ -192,7 +208,7 @@ def test_unknown_dtype_and_bad_block_raise():
         encode(np.ones(4, np.float32), "fp8")
     with pytest.raises(ValueError, match="block must be >= 2, got 1"):
         encode(np.ones(4, np.float32), "int8", block=1)
-    with pytest.raises(ValueError, match="block must be even for int4"):
+    with pytest.raises(ValueError, match="block must be a multiple of 2 for int4"):
         encode(np.ones(4, np.float32), "int4", block=3)
     _assert_within_half_step(np.ones(4, np.float32), encode(np.ones(4, np.float32), "int8", block=3))
 

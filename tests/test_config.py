@@ -55,7 +55,14 @@ def test_replace_revalidates():
         (("nosection.x=1",), r"nosection=.* unknown key"),
         (("sync.every=25",), r"sync.every=25 is invalid: must be a multiple of fragments.count=4"),
         (("fragments.count=30",), r"fragments.count=30 is invalid: must be <= sync.every=24"),
-        (("compression.dtype=int2",), r"compression.dtype='int2' is invalid: must be one of fp32, bf16, int8, int4"),
+        (
+            ("compression.dtype=int3",),
+            r"compression.dtype='int3' is invalid: must be one of fp32, bf16, int8, int4, int2",
+        ),
+        (
+            ("compression.dtype=int2", "compression.block=6"),
+            r"compression.block=6 is invalid: must be a multiple of 4 for int2",
+        ),
         (("learner.receive=merge",), r"learner.receive='merge' is invalid: must be one of overwrite, blend, rebase"),
         (("sync.every=abc",), r"sync.every='abc' is invalid: must be an integer"),
         (("outer.momentum=1.0",), r"outer.momentum=1.0 is invalid: must be in \[0, 1\)"),
