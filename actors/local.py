@@ -4,7 +4,9 @@ Drives the same cores the Ray actors wrap (`LearnerCore`, `SyncerCore`, `StoreCo
 same sequence of calls: learners step and push, the syncer closes rounds when `ready` says so,
 merges, commits to the store, and the store's new fragments reach every learner. Learner m's
 step takes ``step_times[m]`` virtual seconds (default: its group's slowdown × batch size /
-`inner.batch_size`); a commit reaches learners ``sync_time`` virtual seconds after it closes.
+`inner.batch_size`), times the `chaos` straggler factor and per-step jitter of the config (the
+same seeded draws as a Ray run, `dloco.chaos.step_factor`); a commit reaches learners
+``sync_time`` virtual seconds after it closes.
 Used by tests, notebooks and fast ablations.
 """
 
@@ -18,7 +20,7 @@ from typing import Any
 
 import jax
 
-from dloco import build, inner
+from dloco import build, chaos, inner
 from dloco.config import RunConfig
 from dloco.data import Cursor
 from dloco.learner import Delivery, LearnerCore
@@ -77,7 +79,7 @@ def run_local(
         reg = store.register(m)
         cursor = Cursor.from_dict(reg.cursor) if reg.cursor else None
         stream = build.stream(cfg, tokens, m, cursor, build.learner_batch_size(cfg, m))
-        fr = [store.fragment(p) for p in range(bp.plan.count)]
+        fr = [store.held(p) for p in range(bp.plan.count)]
         learners.append(
             LearnerCore(
                 cfg,
@@ -98,12 +100,24 @@ def run_local(
         bp.embedding,
         [(*store.fragment(p), store.outer_state(p)) for p in range(bp.plan.count)],
         store.live_registry(),
+        held=[store.held(p)[1] for p in range(bp.plan.count)],
     )
     run = LocalRun(cfg, bp, store, syncer, learners)
     times = step_times or default_step_times(cfg)
-    next_done: list[float | None] = list(times)  # when learner m completes its next step
+    slow = chaos.stragglers(cfg.chaos, M)
+
+    def step_time(m: int) -> float:  # learner m's next step, with the config's stragglers and jitter
+        return times[m] * chaos.step_factor(cfg.chaos, m, learners[m].step_count + 1, m in slow)
+
+    dur = [step_time(m) for m in range(M)]  # learner m's current step duration
+    next_done: list[float | None] = list(dur)  # when learner m completes its next step
     deliveries: list[tuple[float, int, int, Delivery]] = []  # (time, learner, seq, delivery)
     seq = 0
+
+    def deliver(m: int, d: Delivery) -> None:
+        if not learners[m].receive(d):  # a delta on top of a version it missed: fetch Θ̂_p in full
+            version, values = store.held(d.fragment_id)
+            learners[m].receive(Delivery(d.fragment_id, version, values, d.included_step))
 
     def close_due(now: float) -> None:
         nonlocal seq
@@ -123,8 +137,12 @@ def run_local(
                 syncer.committed(outcome, sync_time)
                 run.events.append({**outcome.event, "time": now})
                 included = {m: e["step"] for m, e in store.last_merged(p).items()}
+                c = outcome.commit
                 for m in range(M):
-                    d = Delivery(p, result.version, outcome.commit.values, included.get(m))
+                    if c.delta is None:
+                        d = Delivery(p, result.version, c.values, included.get(m))
+                    else:
+                        d = Delivery(p, result.version, None, included.get(m), delta=c.delta)
                     heapq.heappush(deliveries, (now + sync_time, m, seq, d))
                     seq += 1
 
@@ -139,25 +157,26 @@ def run_local(
         now = run.now = min(candidates)
         while deliveries and deliveries[0][0] <= now:
             _, m, _, d = heapq.heappop(deliveries)
-            learners[m].receive(d)
+            deliver(m, d)
         close_due(now)
         for m, core in enumerate(learners):
             if next_done[m] == now and core.step_count < steps:
                 core.apply_inbox()
-                _, pushes = core.step(step_time=times[m])
+                _, pushes = core.step(step_time=dur[m])
                 for push in pushes:
                     decision = syncer.push(push.meta, push.payload, now)
                     if not decision.accept:
                         run.events.append({"event": "rejection", "learner": m, "reason": decision.reason, "time": now})
                 close_due(now)
-                next_done[m] = now + times[m]
+                dur[m] = step_time(m)
+                next_done[m] = now + dur[m]
         for m, core in enumerate(learners):  # blocking baselines wait here for their merges
             while deliveries and deliveries[0][0] <= now:
                 _, mm, _, d = heapq.heappop(deliveries)
-                learners[mm].receive(d)
+                deliver(mm, d)
             core.apply_inbox()
             if core.waiting_for():
                 next_done[m] = None
             elif next_done[m] is None:
-                next_done[m] = now + times[m]
+                next_done[m] = now + dur[m]
     return run

@@ -6,7 +6,9 @@ whose calls execute one at a time on its event loop (no locks needed) while `upd
 long-poll: a blocked learner waits there until a newer version is committed, instead of polling.
 On (re)start it rebuilds itself from its constructor arguments and its run directory: the newest
 snapshot plus the commit log. Published fragments are put into Ray's object store by this actor,
-so they outlive any learner or syncer; after a store restart they are put again on demand.
+so they outlive any learner or syncer; after a store restart they are put again on demand. With
+`compression.publish: delta` a commit is published as its quantized delta q ("delta"); a learner
+that missed a version, and every learner after a store restart, gets Θ̂_p in full ("full").
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ class FragmentStore:
             self.cfg.store.snapshot_every,
             self.cfg.store.keep,
         )
-        self._published: dict[int, tuple[int, ray.ObjectRef, dict[int, int]]] = {}
+        self._published: dict[int, tuple[int, ray.ObjectRef, dict[int, int], str]] = {}
         self._committed: asyncio.Event | None = None  # set (and replaced) at every commit
+        self._full: dict[tuple[int, int], ray.ObjectRef] = {}  # (p, v) → Θ̂_p, for learners behind a delta
         self._events: list[dict] = [
             {
                 "event": "store_start",
@@ -67,22 +70,27 @@ class FragmentStore:
     async def registry(self) -> dict[int, int]:
         return self.core.live_registry()
 
-    async def fragments(self) -> tuple[list[int], list[dict]]:
-        """All current fragments (versions, values), e.g. for a (re)starting learner or evaluation."""
-        return self.core.versions, [self.core.fragment(p)[1] for p in range(len(self.core.versions))]
+    async def fragments(self, held: bool = False) -> tuple[list[int], list[dict]]:
+        """All current fragments (versions, values): Θ_p for evaluation, or with `held` Θ̂_p, what a
+        (re)starting learner installs."""
+        get = self.core.held if held else self.core.fragment
+        return self.core.versions, [get(p)[1] for p in range(len(self.core.versions))]
 
-    async def fragment(self, p: int) -> tuple[int, dict]:
-        return self.core.fragment(p)
+    async def held(self, p: int) -> tuple[int, dict, dict[int, int]]:
+        """(v_p, Θ̂_p, last merged step per learner): a learner's full fetch of one fragment."""
+        return (*self.core.held(p), self._merged_steps(p))
 
-    async def syncer_state(self) -> tuple[list[tuple[int, dict, list]], dict[int, int]]:
-        """What a (re)starting syncer needs: (v_p, Θ_p, s_p) per fragment, and the registry."""
-        frs = [(*self.core.fragment(p), self.core.outer_state(p)) for p in range(len(self.core.versions))]
-        return frs, self.core.live_registry()
+    async def syncer_state(self) -> tuple[list[tuple[int, dict, list]], dict[int, int], list[dict]]:
+        """What a (re)starting syncer needs: (v_p, Θ_p, s_p) per fragment, the registry, and Θ̂_p."""
+        n = len(self.core.versions)
+        frs = [(*self.core.fragment(p), self.core.outer_state(p)) for p in range(n)]
+        return frs, self.core.live_registry(), [self.core.held(p)[1] for p in range(n)]
 
     async def commit(self, c: Commit) -> CommitResult:
         result = self.core.commit(c)
         if result.accepted:
-            self._published[c.fragment_id] = (result.version, ray.put(c.values), self._merged_steps(c.fragment_id))
+            kind, obj = ("full", self.core.held(c.fragment_id)[1]) if c.delta is None else ("delta", c.delta)
+            self._published[c.fragment_id] = (result.version, ray.put(obj), self._merged_steps(c.fragment_id), kind)
             if self._committed is not None:
                 self._committed.set()
                 self._committed = None
@@ -98,9 +106,11 @@ class FragmentStore:
 
     async def updates(
         self, known: list[int], wait_s: float = 0.0
-    ) -> list[tuple[int, int, list[ray.ObjectRef], dict[int, int]]]:
-        """Fragments newer than `known` versions: (p, version, [values ref], last merged step per learner).
+    ) -> list[tuple[int, int, list[ray.ObjectRef], dict[int, int], str]]:
+        """Fragments newer than `known` versions: (p, version, [ref], last merged step per learner, kind).
 
+        kind "full": the ref holds Θ̂_p; "delta": the quantized difference to version − 1, which
+        only a learner at exactly that version can apply (the others get the full Θ̂_p here).
         With `wait_s` > 0 and nothing newer yet, waits up to that long for the next commit.
         """
         deadline = time.monotonic() + wait_s
@@ -114,15 +124,19 @@ class FragmentStore:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._committed.wait(), left)
 
-    def _newer(self, known: list[int]) -> list[tuple[int, int, list[ray.ObjectRef], dict[int, int]]]:
+    def _newer(self, known: list[int]) -> list[tuple[int, int, list[ray.ObjectRef], dict[int, int], str]]:
         out = []
         for p, v in enumerate(self.core.versions):
             if v > known[p]:
                 pub = self._published.get(p)
                 if pub is None or pub[0] != v:  # restarted store: publish the restored fragment again
-                    pub = (v, ray.put(self.core.fragment(p)[1]), self._merged_steps(p))
+                    pub = (v, ray.put(self.core.held(p)[1]), self._merged_steps(p), "full")
                     self._published[p] = pub
-                out.append((p, pub[0], [pub[1]], pub[2]))
+                if pub[3] == "delta" and known[p] != v - 1:  # too far behind for the delta
+                    self._full.setdefault((p, v), ray.put(self.core.held(p)[1]))
+                    pub = (v, self._full[(p, v)], pub[2], "full")
+                out.append((p, pub[0], [pub[1]], pub[2], pub[3]))
+        self._full = {k: r for k, r in self._full.items() if k[1] == self.core.versions[k[0]]}
         return out
 
     async def summary(self) -> dict:

@@ -29,8 +29,8 @@ class Syncer:
         self.cfg = from_dict(cfg)
         self.store = ray.get_actor(store_name, namespace=namespace)
         bp = build.blueprint(self.cfg)
-        frs, registry = ray.get(self.store.syncer_state.remote())
-        self.core = SyncerCore(self.cfg, bp.plan, bp.embedding, frs, registry)
+        frs, registry, held = ray.get(self.store.syncer_state.remote())
+        self.core = SyncerCore(self.cfg, bp.plan, bp.embedding, frs, registry, held)
         self._events: list[dict] = [{"event": "syncer_start", "time": time.time(), "versions": list(self.core.version)}]
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -109,9 +109,9 @@ class Syncer:
                 {**outcome.event, "time": time.time(), "sync_s": time.monotonic() - t0, "push_age_s": ages}
             )
         else:  # the store moved on (e.g. restored): adopt its state, the round's work is dropped
-            version, values = await self.store.fragment.remote(p)
-            frs, _ = await self.store.syncer_state.remote()
-            self.core.reload(p, version, values, frs[p][2])
+            frs, _, held = await self.store.syncer_state.remote()
+            version, values, state = frs[p]
+            self.core.reload(p, version, values, state, held[p])
             self._events.append({"event": "commit_rejected", "time": now, "fragment": p, "reason": result.reason})
 
     async def status(self) -> dict:

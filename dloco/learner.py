@@ -4,7 +4,8 @@
 stream, and per fragment p: the anchor (the global Θ̂_p it last installed), the version v_p of
 that anchor, the counters c_tok[p], c_steps[p], the error-feedback residual e_p and the record of
 its last push. `step()` never blocks: it trains one batch and returns the pushes that fell due;
-`install()` applies a merged fragment by `learner.receive`:
+`install()` applies a merged fragment by `learner.receive` (with `compression.publish: delta` the
+fragment arrives as a quantized difference that `receive()` adds to the copy the learner holds):
 
     overwrite: θ_p ← Θ'_p; counters reset
     blend:     θ_p ← α·θ_p + (1−α)·Θ'_p; counters reset
@@ -50,12 +51,16 @@ class Push:
 class Delivery:
     """A merged fragment Θ'_p at `version` that reached the learner; `included_step` is the step
     of this learner's last push merged into fragment p by this or an earlier version (the store's
-    ledger; None if none was), so a learner that skipped versions still knows what was merged."""
+    ledger; None if none was), so a learner that skipped versions still knows what was merged.
+
+    With `compression.publish: delta` a delivery may carry `delta` (tensor → payload q) instead of
+    `values`: Θ̂'_p = Θ̂_p + decode(q), valid only on top of version `version − 1` (§7)."""
 
     fragment_id: int
     version: int
-    values: Mapping[str, np.ndarray]
+    values: Mapping[str, np.ndarray] | None
     included_step: int | None = None
+    delta: Mapping[str, compress.Payload] | None = None
 
 
 @dataclass
@@ -201,18 +206,29 @@ class LearnerCore:
         anchor = inner.replicate(self.anchor[p], self.mesh)
         self.state = self.state._replace(params=self.plan.install(self.state.params, anchor))
 
-    def receive(self, d: Delivery) -> None:
-        """Queues a merged fragment; `apply_inbox` installs it when its time has come."""
+    def receive(self, d: Delivery) -> bool:
+        """Queues a merged fragment; `apply_inbox` installs it when its time has come.
+
+        A `delta` delivery is resolved here against the newest copy this learner has of fragment
+        p (queued or installed): Θ̂'_p = Θ̂_p + decode(q). Returns False when that copy is not at
+        `version − 1` (a version was missed): the caller fetches Θ̂_p in full instead.
+        """
         p = d.fragment_id
         if d.version <= self.version[p]:
-            return
+            return True
         old = self.inbox.get(p)
-        if old is not None:
-            if d.version <= old.version:
-                return
-            if d.included_step is None:  # a newer merge still carries what the skipped one merged
-                d = Delivery(p, d.version, d.values, old.included_step)
+        if old is not None and d.version <= old.version:
+            return True
+        if d.delta is not None:
+            base_version, base = (old.version, old.values) if old is not None else (self.version[p], self.anchor[p])
+            if d.version != base_version + 1:
+                return False
+            values = {n: base[n] + compress.decode(q) for n, q in d.delta.items()}
+            d = Delivery(p, d.version, values, d.included_step)
+        if old is not None and d.included_step is None:  # a newer merge still carries what the skipped one merged
+            d = Delivery(p, d.version, d.values, old.included_step)
         self.inbox[p] = d
+        return True
 
     def apply_inbox(self) -> list[int]:
         """Installs queued merges (blocking mode: only once step ≥ push step + τ); returns their ids."""

@@ -7,8 +7,8 @@ ledger (per fragment and learner: tokens merged, cursor and step of the last mer
 Durability, so that no committed version is ever lost:
 
 - every commit is written before it is acknowledged, as one file holding the fragment's full new
-  state (``wal/p{p}-v{v}.npz``: Θ_p, s_p and the fragment's ledger), written to a temporary name
-  and renamed;
+  state (``wal/p{p}-v{v}.npz``: Θ_p, s_p, the fragment's ledger and, with `compression.publish:
+  delta`, the shadow Θ̂_p that learners hold), written to a temporary name and renamed;
 - every `store.snapshot_every` commits, all fragments and the registry are consolidated into a
   snapshot directory (written as ``tmp-*`` and renamed to ``snap-{n}``, so a ``snap-*`` directory
   is always complete); the last `store.keep` snapshots are kept and older log files are pruned;
@@ -47,7 +47,12 @@ class MergedPush:
 
 @dataclass(frozen=True)
 class Commit:
-    """The syncer's result for one fragment round: Θ_p and s_p at `base_version + 1`."""
+    """The syncer's result for one fragment round: Θ_p and s_p at `base_version + 1`.
+
+    With `compression.publish: delta` (ALGORITHM.md §7), `held` is the new shadow Θ̂_p (what an
+    up-to-date learner holds) and `delta` the quantized Θ_p − Θ̂_p (old shadow) that learners
+    add to their copy; both None when Θ_p itself is published.
+    """
 
     fragment_id: int
     base_version: int
@@ -55,6 +60,8 @@ class Commit:
     outer_state: list[np.ndarray]
     merged: tuple[MergedPush, ...]
     commit_id: str
+    held: dict[str, np.ndarray] | None = None
+    delta: dict | None = None  # tensor name → compress.Payload
 
     @property
     def version(self) -> int:
@@ -85,6 +92,7 @@ class _Fragment:
     outer_state: list[np.ndarray]
     ledger: dict[int, dict] = field(default_factory=dict)  # learner → {tokens, cursor, step, incarnation}
     commit_id: str = ""
+    held: dict[str, np.ndarray] | None = None  # shadow Θ̂_p (publish: delta), else None: Θ_p itself
 
 
 def _cursor_key(c: dict | None) -> tuple[int, int]:
@@ -94,6 +102,7 @@ def _cursor_key(c: dict | None) -> tuple[int, int]:
 def _save_fragment(path: Path, f: _Fragment) -> None:
     arrays = {f"v/{k}": v for k, v in f.values.items()}
     arrays.update({f"s/{i}": s for i, s in enumerate(f.outer_state)})
+    arrays.update({f"h/{k}": v for k, v in (f.held or {}).items()})
     meta = {"version": f.version, "commit_id": f.commit_id, "ledger": {str(k): v for k, v in f.ledger.items()}}
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     buf = io.BytesIO()
@@ -107,8 +116,9 @@ def _load_fragment(path: Path) -> _Fragment:
         values = {k[2:]: z[k] for k in z.files if k.startswith("v/")}
         n_state = sum(k.startswith("s/") for k in z.files)
         state = [z[f"s/{i}"] for i in range(n_state)]
+        held = {k[2:]: z[k] for k in z.files if k.startswith("h/")} or None
     ledger = {int(k): v for k, v in meta["ledger"].items()}
-    return _Fragment(meta["version"], values, state, ledger, meta["commit_id"])
+    return _Fragment(meta["version"], values, state, ledger, meta["commit_id"], held)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -158,8 +168,14 @@ class StoreCore:
         return [f.version for f in self.fragments]
 
     def fragment(self, p: int) -> tuple[int, dict[str, np.ndarray]]:
+        """(v_p, Θ_p): the global fragment (what is evaluated and what the outer step updates)."""
         f = self.fragments[p]
         return f.version, f.values
+
+    def held(self, p: int) -> tuple[int, dict[str, np.ndarray]]:
+        """(v_p, Θ̂_p): what an up-to-date learner holds (Θ_p itself unless publish is delta)."""
+        f = self.fragments[p]
+        return f.version, f.values if f.held is None else f.held
 
     def outer_state(self, p: int) -> list[np.ndarray]:
         return self.fragments[p].outer_state
@@ -223,7 +239,8 @@ class StoreCore:
                 "step": mp.step,
                 "incarnation": mp.incarnation,
             }
-        new = _Fragment(c.version, dict(c.values), list(c.outer_state), ledger, c.commit_id)
+        held = None if c.held is None else dict(c.held)
+        new = _Fragment(c.version, dict(c.values), list(c.outer_state), ledger, c.commit_id, held)
         _save_fragment(self.root / "wal" / f"p{c.fragment_id:03d}-v{c.version:08d}.npz", new)  # durable first
         self.fragments[c.fragment_id] = new
         self.commits += 1

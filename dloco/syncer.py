@@ -5,8 +5,14 @@ keeps the latest valid push per learner, decides when a round closes (quorum K, 
 window ξ_grace), and turns the closing round into a `Commit`: decode the payloads, check their
 values, weight them (w_m = c_tok² / c_steps), merge (RDA or mean), apply the outer Nesterov step.
 
-It holds nothing that cannot be rebuilt from the store: Θ_p, s_p and v_p are loaded from it at
-start and replaced by each acknowledged commit; pending pushes and timing EMAs are soft state.
+It holds nothing that cannot be rebuilt from the store: Θ_p, s_p, v_p (and with `publish: delta`
+the shadow Θ̂_p) are loaded from it at start and replaced by each acknowledged commit; pending
+pushes and timing EMAs are soft state.
+
+Publishing (ALGORITHM.md §7): with `compression.publish: delta` the commit carries
+q = encode(Θ_p − Θ̂_p, `publish_dtype`) and the new shadow Θ̂_p + decode(q); a learner holding
+Θ̂_p applies the same float32 addition and holds the new shadow bit for bit. What the wire lost
+stays in Θ_p − Θ̂_p and is sent with the next publish (error feedback).
 Every decision comes back with its reason, for the caller to log as an event.
 
 Data-parallel baselines (§9): `dp` is the same machinery with H = P = 1 and K = M (a dead or
@@ -60,6 +66,7 @@ class SyncerCore:
       embedding: tensor names merged by weighted mean.
       fragments: per fragment (version, values, outer-state leaves) from the store.
       registry: learner id → current incarnation, from the store.
+      held: per fragment the shadow Θ̂_p from the store (publish: delta); None: Θ_p.
     """
 
     def __init__(
@@ -69,10 +76,13 @@ class SyncerCore:
         embedding: frozenset[str],
         fragments: list[tuple[int, dict[str, np.ndarray], list[np.ndarray]]],
         registry: Mapping[int, int],
+        held: list[dict[str, np.ndarray]] | None = None,
     ) -> None:
         self.cfg, self.plan, self.embedding = cfg, plan, embedding
         self.version = [v for v, _, _ in fragments]
         self.values = [dict(vals) for _, vals, _ in fragments]
+        self.delta_publish = cfg.compression.publish == "delta"
+        self.held = [dict(h) for h in held] if held is not None else [dict(v) for v in self.values]
         self.state = [outer.state_from_numpy(outer.outer_config(cfg), vals, s) for _, vals, s in fragments]
         self.registry = dict(registry)
         self.rounds = [FragmentRound(p, cfg.syncer.quorum) for p in range(plan.count)]
@@ -207,6 +217,7 @@ class SyncerCore:
         values, state = self._outer_step(self.values[p], self.state[p], pseudo_grad)
         for tn in norms:
             self.norms[p].record(float(np.sqrt(sum(v * v for v in tn.values()))))
+        held, published = self._publish(p, values)
         commit = Commit(
             fragment_id=p,
             base_version=self.version[p],
@@ -214,6 +225,8 @@ class SyncerCore:
             outer_state=outer.state_to_numpy(state),
             merged=tuple(MergedPush(m.learner_id, m.incarnation, m.step, m.tokens, m.steps, m.cursor) for m in metas),
             commit_id=uuid.uuid4().hex,
+            held=held,
+            delta=published,
         )
         event = {
             "event": "merge",
@@ -231,23 +244,43 @@ class SyncerCore:
             "grace_window_s": self.grace(),
             "slack_s": self.slack(),
             "bytes_in": nbytes_in,
-            "bytes_out": sum(v.nbytes for v in values.values()),
+            "bytes_out": sum(v.nbytes for v in (published or values).values()),
             "rejected": len(rejections),
         }
         if self.elastic:
             event["dropped"] = self._dropping.pop(p, [])
         return MergeOutcome(commit, event, rejections, state)
 
+    def _publish(self, p: int, values: dict[str, np.ndarray]) -> tuple[dict | None, dict | None]:
+        """publish: delta → (new shadow Θ̂_p + decode(q), q = encode(Θ_p − Θ̂_p)); full → (None, None)."""
+        if not self.delta_publish:
+            return None, None
+        c = self.cfg.compression
+        held, q = {}, {}
+        for n, x in values.items():
+            q[n] = compress.encode(np.asarray(x, np.float32) - self.held[p][n], c.publish_dtype, c.block)
+            held[n] = self.held[p][n] + compress.decode(q[n])
+        return held, q
+
     def committed(self, outcome: MergeOutcome, sync_time: float) -> None:
-        """The store acknowledged `outcome.commit`: adopt Θ_p, s_p, v_p; ξ_sync ← EMA(sync_time)."""
+        """The store acknowledged `outcome.commit`: adopt Θ_p, s_p, v_p (Θ̂_p); ξ_sync ← EMA(sync_time)."""
         c = outcome.commit
         p = c.fragment_id
         self.values[p], self.version[p], self.state[p] = c.values, c.version, outcome.outer_state
+        self.held[p] = c.values if c.held is None else c.held
         self.timings.observe_sync_time(sync_time)
 
-    def reload(self, p: int, version: int, values: dict[str, np.ndarray], state: list[np.ndarray]) -> None:
+    def reload(
+        self,
+        p: int,
+        version: int,
+        values: dict[str, np.ndarray],
+        state: list[np.ndarray],
+        held: dict[str, np.ndarray] | None = None,
+    ) -> None:
         """Adopt the store's state of fragment p (after a rejected commit or a store restart)."""
         self.version[p], self.values[p] = version, dict(values)
+        self.held[p] = dict(values if held is None else held)
         self.state[p] = outer.state_from_numpy(outer.outer_config(self.cfg), values, state)
 
     def update_registry(self, registry: Mapping[int, int]) -> None:
