@@ -13,6 +13,10 @@ Chaos (`dloco.chaos`, decided by the config's seed, carried out here because onl
 can do it): a straggler's step and every step's jitter are slept out after the step; a push drawn
 as lost is never sent (blocking algorithms resend it after `chaos.resend_s`, as a transport
 would); `freeze(seconds)` keeps the learner alive but silent. Each of these is logged as an event.
+
+Emulated WAN latency (`learners.groups[].latency_s`): a push is put into the object store at once
+and announced to the syncer that many seconds later (a timer thread); a merged fragment is fetched
+when the store announces it and handed to the learner that many seconds after it arrived.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ class Learner:
         self.syncer = ray.get_actor(syncer_name, namespace=namespace)
         bp = build.blueprint(self.cfg)
         reg = ray.get(self.store.register.remote(learner_id))
-        versions, fragments = ray.get(self.store.fragments.remote())
+        versions, fragments = ray.get(self.store.fragments.remote(held=True))
         cursor = Cursor.from_dict(reg.cursor) if reg.cursor else None
         batch = build.learner_batch_size(self.cfg, learner_id)
         stream = build.stream(self.cfg, bp.corpus.load_split("train"), learner_id, cursor, batch)
@@ -62,6 +66,8 @@ class Learner:
         )
         groups = self.cfg.learners.expand()
         self.slowdown = groups[min(learner_id, len(groups) - 1)].slowdown
+        self.latency = groups[min(learner_id, len(groups) - 1)].latency_s
+        self._arriving: deque[tuple[float, Delivery, int]] = deque()  # (hand over at, delivery, bytes)
         self.straggler = learner_id in chaos.stragglers(self.cfg.chaos, self.cfg.learners.count)
         self.busy: deque[float] = deque(maxlen=64)  # per step: seconds of work (step, polls, pushes)
         self.waits: deque[float] = deque(maxlen=64)  # per step: seconds blocked waiting for merges
@@ -88,11 +94,16 @@ class Learner:
         while not self._stop.is_set() and (max_steps is None or core.step_count < max_steps):
             frozen = self._wait_while_frozen()
             self._receive(block=False)
+            self._hand_over()
             core.apply_inbox()
             w0 = time.perf_counter()
             while core.waiting_for() and not self._stop.is_set():  # blocking algorithms only
                 self._resend_lost()
-                self._receive(block=True, timeout=self.cfg.chaos.resend_s)
+                if self._arriving:  # arrived, still on the (emulated) wire
+                    time.sleep(min(max(0.0, self._arriving[0][0] - time.monotonic()), self.cfg.chaos.resend_s))
+                    self._hand_over()
+                else:
+                    self._receive(block=True, timeout=self.cfg.chaos.resend_s)
                 core.apply_inbox()
             t0 = time.perf_counter()
             cycle = typical_cycle(self.busy, self.waits)
@@ -128,10 +139,17 @@ class Learner:
         return self.status()
 
     def _send(self, push) -> None:
-        meta = dataclasses.replace(push.meta, sent_at=time.time())
-        self.syncer.push.remote(meta, [ray.put(push.payload)])
+        ref = ray.put(push.payload)
         self.pushes += 1
         self.bytes_out += push.nbytes
+        meta = dataclasses.replace(push.meta, sent_at=time.time())  # push ages include the latency
+        if self.latency > 0:
+            threading.Timer(self.latency, self._announce, (meta, ref)).start()
+        else:
+            self._announce(meta, ref)
+
+    def _announce(self, meta, ref) -> None:
+        self.syncer.push.remote(meta, [ref])
 
     def _resend_lost(self) -> None:
         """Blocking algorithms: a lost push is sent again `chaos.resend_s` after it was lost."""
@@ -180,16 +198,33 @@ class Learner:
                 updates = []
                 time.sleep(0.05)
             self._poll = None
-            for p, version, ref, included in updates:
+            for p, version, ref, included, kind in updates:
                 try:
-                    values = ray.get(ref[0])
+                    obj = ray.get(ref[0])
                 except RayError:  # published object lost with a restarted store: fetch directly
-                    version, values = ray.get(self.store.fragment.remote(p))
-                self.core.receive(Delivery(p, version, values, included.get(self.learner_id)))
-                self.installs += 1
-                self.bytes_in += sum(v.nbytes for v in values.values())
+                    version, obj, included = ray.get(self.store.held.remote(p))
+                    kind = "full"
+                mine = included.get(self.learner_id)
+                if kind == "delta":
+                    d, nbytes = Delivery(p, version, None, mine, delta=obj), sum(q.nbytes for q in obj.values())
+                else:
+                    d, nbytes = Delivery(p, version, obj, mine), sum(v.nbytes for v in obj.values())
+                self._arriving.append((time.monotonic() + self.latency, d, nbytes))
+            self._hand_over()
             if updates or not block or time.monotonic() >= deadline:
                 return
+
+    def _hand_over(self) -> None:
+        """Gives the learner the merged fragments whose (emulated) transfer is over."""
+        now = time.monotonic()
+        while self._arriving and self._arriving[0][0] <= now:
+            _, d, nbytes = self._arriving.popleft()
+            if not self.core.receive(d):  # a delta on top of a version it missed: fetch Θ̂_p in full
+                version, values, included = ray.get(self.store.held.remote(d.fragment_id))
+                self.core.receive(Delivery(d.fragment_id, version, values, included.get(self.learner_id)))
+                nbytes += sum(v.nbytes for v in values.values())
+            self.installs += 1
+            self.bytes_in += nbytes
 
     def status(self) -> dict:
         c = self.core
