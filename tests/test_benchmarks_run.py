@@ -84,3 +84,19 @@ def test_goodput_benchmark_replays_one_schedule_against_each_algorithm(tmp_path)
         assert 0 < r["goodput"] <= 1 and 0 <= r["uptime"] <= 1 and r["tokens_trained"] > 0
         assert r["simulated_goodput"] is None or 0 < r["simulated_goodput"] <= 1
     assert Path(out.with_suffix(".png")).stat().st_size > 10_000
+
+
+def test_quality_tiny_runs_every_algorithm_at_equal_tokens(tmp_path):
+    out = tmp_path / "quality.json"
+    run_script("quality.py", "--tiny", "--out", str(out))
+    doc = json.loads(out.read_text())
+    rows = {(r["group"], r["label"]): r for r in doc["results"]}
+    main = [r for r in doc["results"] if r["group"] == "main"]
+    assert {r["algorithm"] for r in main} == {"dp", "diloco", "streaming", "decoupled"}
+    assert len({r["tokens"] for r in main}) == 1  # equal tokens: dp's one learner has an M× batch
+    assert all(3.0 < r["eval_loss"] < 5.6 for r in doc["results"])  # trained below ln(256) = 5.55
+    delta = rows[("bandwidth", "H=8, int4 both ways")]
+    full = rows[("main", "decoupled")]
+    assert delta["bytes_down_per_learner"] * 6 < full["bytes_down_per_learner"]
+    assert rows[("compression", "int2")]["bytes_up"] * 1.8 < full["bytes_up"]
+    assert out.with_suffix(".png").stat().st_size > 1000
