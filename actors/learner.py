@@ -188,7 +188,7 @@ class Learner:
         while True:
             if self._poll is None:
                 wait_s = max(0.0, deadline - time.monotonic()) if block else 0.0
-                self._poll = self.store.updates.remote(list(self.core.version), wait_s)
+                self._poll = self.store.updates.remote(self._known(), wait_s)
             ready, _ = ray.wait([self._poll], timeout=None if block else 0)
             if not ready:
                 return
@@ -213,6 +213,14 @@ class Learner:
             self._hand_over()
             if updates or not block or time.monotonic() >= deadline:
                 return
+
+    def _known(self) -> list[int]:
+        """Newest version of each fragment this learner has: installed, queued or still in transit
+        (so that the store neither sends a version again nor a full fragment instead of a delta)."""
+        known = list(self.core.version)
+        for d in [*self.core.inbox.values(), *(d for _, d, _ in self._arriving)]:
+            known[d.fragment_id] = max(known[d.fragment_id], d.version)
+        return known
 
     def _hand_over(self) -> None:
         """Gives the learner the merged fragments whose (emulated) transfer is over."""
