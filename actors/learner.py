@@ -65,8 +65,8 @@ class Learner:
             reg.step,
         )
         groups = self.cfg.learners.expand()
-        self.slowdown = groups[min(learner_id, len(groups) - 1)].slowdown
-        self.latency = groups[min(learner_id, len(groups) - 1)].latency_s
+        group = groups[min(learner_id, len(groups) - 1)]
+        self.slowdown, self.latency = group.slowdown, group.latency_s
         self._arriving: deque[tuple[float, Delivery, int]] = deque()  # (hand over at, delivery, bytes)
         self.straggler = learner_id in chaos.stragglers(self.cfg.chaos, self.cfg.learners.count)
         self.busy: deque[float] = deque(maxlen=64)  # per step: seconds of work (step, polls, pushes)

@@ -138,11 +138,9 @@ def run_local(
                 run.events.append({**outcome.event, "time": now})
                 included = {m: e["step"] for m, e in store.last_merged(p).items()}
                 c = outcome.commit
+                values = c.values if c.delta is None else None  # publish: delta sends only q
                 for m in range(M):
-                    if c.delta is None:
-                        d = Delivery(p, result.version, c.values, included.get(m))
-                    else:
-                        d = Delivery(p, result.version, None, included.get(m), delta=c.delta)
+                    d = Delivery(p, result.version, values, included.get(m), delta=c.delta)
                     heapq.heappush(deliveries, (now + sync_time, m, seq, d))
                     seq += 1
 

@@ -38,7 +38,7 @@ class FragmentStore:
         )
         self._published: dict[int, tuple[int, ray.ObjectRef, dict[int, int], str]] = {}
         self._committed: asyncio.Event | None = None  # set (and replaced) at every commit
-        self._full: dict[tuple[int, int], ray.ObjectRef] = {}  # (p, v) → Θ̂_p, for learners behind a delta
+        self._full: dict[int, tuple[int, ray.ObjectRef]] = {}  # p → (v, Θ̂_p), for learners behind a delta
         self._events: list[dict] = [
             {
                 "event": "store_start",
@@ -133,10 +133,11 @@ class FragmentStore:
                     pub = (v, ray.put(self.core.held(p)[1]), self._merged_steps(p), "full")
                     self._published[p] = pub
                 if pub[3] == "delta" and known[p] != v - 1:  # too far behind for the delta
-                    self._full.setdefault((p, v), ray.put(self.core.held(p)[1]))
-                    pub = (v, self._full[(p, v)], pub[2], "full")
+                    full = self._full.get(p)
+                    if full is None or full[0] != v:  # put once per version, not once per poll
+                        full = self._full[p] = (v, ray.put(self.core.held(p)[1]))
+                    pub = (v, full[1], pub[2], "full")
                 out.append((p, pub[0], [pub[1]], pub[2], pub[3]))
-        self._full = {k: r for k, r in self._full.items() if k[1] == self.core.versions[k[0]]}
         return out
 
     async def summary(self) -> dict:

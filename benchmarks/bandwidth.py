@@ -41,14 +41,15 @@ def table(preset: str) -> dict:
         {"algorithm": "dp (this engine: fp32 gradient up, fp32 model down)", "H": 1, "up": 4 * n, "down": 4 * n}
     )
     block = cfg.compression.block
+    size = {d: fragment_bytes(shapes, d, block) for d in compress.DTYPES}  # bytes of the whole model, per dtype
     for algo in ("diloco", "streaming", "decoupled"):
         for H in (24, 48, 96):
             for dtype in ("fp32", "bf16", "int8", "int4", "int2"):
                 for publish in ("full", "delta"):
                     if algo != "decoupled" and (dtype not in ("fp32", "int4") or H != 24):
                         continue
-                    up = fragment_bytes(shapes, dtype, block) / H
-                    down = (4 * n if publish == "full" else fragment_bytes(shapes, "int4", block)) / H
+                    up = size[dtype] / H
+                    down = (size["fp32"] if publish == "full" else size["int4"]) / H
                     rows.append({"algorithm": algo, "H": H, "dtype": dtype, "publish": publish, "up": up, "down": down})
     for r in rows:
         r["up_per_token"], r["down_per_token"] = r["up"] / tokens, r["down"] / tokens

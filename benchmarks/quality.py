@@ -14,8 +14,7 @@ slows half the learners by 20 % and adds per-step jitter U(1, 1.3) (the `chaos` 
 stragglers and jitter on the virtual clock).
 
 Usage:  python benchmarks/quality.py [--steps 160] [--workers 2] [--only GROUP,...] [--tiny] [--out PATH]
-Writes  benchmarks/results/quality.json (+ quality.png); `python benchmarks/report.py` turns the
-results into docs/RESULTS.md.
+Writes  benchmarks/results/quality.json (+ quality.png): every row with its config and config hash.
 """
 
 from __future__ import annotations
@@ -101,7 +100,7 @@ def row_config(row: dict, steps: int, tiny: bool) -> config.RunConfig:
         base = tuple(o for o in base if not o.startswith(("sync.", "fragments.")))
     if row["algorithm"] == "diloco":  # diloco: one fragment
         base = tuple(o for o in base if not o.startswith("fragments."))
-    batch = int([o for o in base if o.startswith("inner.batch_size=")][0].split("=")[1])
+    batch = config.load(overrides=base).inner.batch_size
     ov = [
         *base,
         f"algorithm={row['algorithm']}",

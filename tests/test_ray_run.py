@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import wait_for
 
-from dloco import config
+from dloco import build, config
 
 ray = pytest.importorskip("ray")
 
@@ -176,7 +176,7 @@ def test_delta_publish_with_latency_survives_a_store_restart(ray_cluster, cfg_fo
         wait_for(lambda: len(merges(h)) >= 6)
         ages = [a for e in merges(h) for a in e["push_age_s"]]
         assert min(ages) >= 0.2, ages
-        full = sum(4 * f.size for f in __import__("dloco.build").build.blueprint(h.cfg).plan.fragments)
+        full = sum(4 * f.size for f in build.blueprint(h.cfg).plan.fragments)
         assert all(e["bytes_out"] < full / 6 for e in merges(h))
         status = h.status()["learners"]
         installs = sum(s["installs"] for s in status.values())
