@@ -42,15 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors import isolation  # noqa: E402
 from dloco import chaos, config  # noqa: E402
 
-# A 60k-parameter model: steps are cheap, so six learners share two cores and the run is
-# dominated by what the algorithms do, not by arithmetic.
+# The `mini` preset (115k parameters): steps are cheap, so six learners share two cores and the
+# run is dominated by what the algorithms do, not by arithmetic.
 MODEL = (
-    "model.d_model=64",
-    "model.n_heads=2",
-    "model.n_layers=2",
-    "data.seq_len=64",
-    "inner.batch_size=8",
-    "data.max_bytes=2000000",
+    "preset=mini",
     "metrics.eval_every_s=15",
     "metrics.stall_threshold_s=5",
 )

@@ -483,12 +483,27 @@ class RunConfig:
 # Presets are overrides on the dataclass defaults. `tiny`: a 0.4M-parameter model that trains in
 # seconds on one CPU core. `small`: a 3.2M-parameter model for quality comparisons.
 #
-# Both presets use outer lr 1, no momentum. Measured (actors.local, 4 learners at step times 1.0,
+# All presets use outer lr 1, no momentum. Measured (actors.local, 4 learners at step times 1.0,
 # 1.07, 1.13, 1.2, 50 steps each, tiny model): K=1 with the spec's η=0.7, μ=0.9 ends at eval loss
 # 3.19, with η=1, μ=0 at 2.67 (K=M with η=0.7, μ=0.9: 2.81). With K < M a round of H steps is
 # merged in several partial merges, and Nesterov momentum compounds across them.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"outer": {"lr": 1.0, "momentum": 0.0}},
+    # `micro`: a 21k-parameter model on 400 kB of the corpus that compiles in about a second, for
+    # smoke runs and tests; `mini`: a 115k-parameter model whose steps take ~10 ms on one core, for
+    # benchmarks that time the system rather than the arithmetic.
+    "micro": {
+        "outer": {"lr": 1.0, "momentum": 0.0},
+        "model": {"d_model": 32, "n_heads": 2, "n_layers": 1},
+        "inner": {"batch_size": 4},
+        "data": {"seq_len": 32, "max_bytes": 400_000},
+    },
+    "mini": {
+        "outer": {"lr": 1.0, "momentum": 0.0},
+        "model": {"d_model": 64, "n_heads": 2, "n_layers": 2},
+        "inner": {"batch_size": 8},
+        "data": {"seq_len": 64, "max_bytes": 2_000_000},
+    },
     "small": {
         "outer": {"lr": 1.0, "momentum": 0.0},
         "model": {"d_model": 256, "n_layers": 4, "n_heads": 4},

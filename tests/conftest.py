@@ -11,15 +11,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray l
 
 import pytest  # noqa: E402
 
-# A 5k-parameter model on 400 kB of the stdlib corpus: compiles in about a second, so that tests of
-# runs (in-process, Ray, CLI) spend their time on the system under test.
+# The `micro` preset (a 21k-parameter model on 400 kB of the stdlib corpus) compiles in about a
+# second, so that tests of runs (in-process, Ray, CLI) spend their time on the system under test.
 TINY_RUN = (
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "data.seq_len=32",
-    "inner.batch_size=4",
-    "data.max_bytes=400000",
+    "preset=micro",
     "sync.every=8",
     "fragments.count=2",
     "sync.overlap=1",

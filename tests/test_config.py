@@ -18,7 +18,7 @@ def test_defaults_match_the_spec():
 
 
 def test_presets_use_plain_outer_averaging():
-    for preset in ("tiny", "small"):
+    for preset in ("tiny", "micro", "mini", "small"):
         c = config.load(overrides=(f"preset={preset}",))
         assert (c.outer.lr, c.outer.momentum) == (1.0, 0.0)
     assert config.load(overrides=("outer.momentum=0.9",)).outer.momentum == 0.9
@@ -67,7 +67,7 @@ def test_replace_revalidates():
         (("sync.every=abc",), r"sync.every='abc' is invalid: must be an integer"),
         (("outer.momentum=1.0",), r"outer.momentum=1.0 is invalid: must be in \[0, 1\)"),
         (("model.d_model=100",), r"model.d_model=100 is invalid: must be a multiple of model.n_heads=4"),
-        (("preset=huge",), r"preset='huge' is invalid: must be one of tiny, small"),
+        (("preset=huge",), r"preset='huge' is invalid: must be one of tiny, micro, mini, small"),
         (("algorithm=sgd",), r"algorithm='sgd' is invalid"),
         (("syncer.quorum=0",), r"syncer.quorum=0 is invalid: must be > 0"),
         (("inner.warmup_steps=400",), r"inner.warmup_steps=400 is invalid: must be < inner.total_steps=400"),
