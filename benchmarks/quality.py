@@ -15,6 +15,7 @@ stragglers and jitter on the virtual clock).
 
 Usage:  python benchmarks/quality.py [--steps 160] [--workers 2] [--only GROUP,...] [--tiny] [--out PATH]
 Writes  benchmarks/results/quality.json (+ quality.png): every row with its config and config hash.
+        With --only, the rows of the other groups already in that file are kept (same --steps/--tiny).
 """
 
 from __future__ import annotations
@@ -38,16 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dloco import config  # noqa: E402
 
 # The model every row trains: the `tiny` preset (0.43M parameters, d128, 2 layers, byte tokens on
-# the stdlib corpus) with 8 sequences of 128 tokens per learner step. `--tiny`: a 5k-parameter
-# model for the test suite.
+# the stdlib corpus) with 8 sequences of 128 tokens per learner step. `--tiny`: the 21k-parameter
+# `micro` preset, for the test suite.
 MODEL = ("preset=tiny", "inner.batch_size=8")
 TINY_MODEL = (
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "data.seq_len=32",
-    "inner.batch_size=4",
-    "data.max_bytes=400000",
+    "preset=micro",
     "sync.every=8",
     "fragments.count=2",
     "sync.overlap=1",
@@ -59,8 +55,11 @@ def rows(tiny: bool) -> list[dict]:
     """The table: (group, label, M, overrides, seed). Seeds 1, 2 repeat the key rows."""
     r = []
 
-    def add(group, label, M, *ov, seed=0, algorithm="decoupled"):
-        r.append({"group": group, "label": label, "M": M, "algorithm": algorithm, "overrides": list(ov), "seed": seed})
+    def add(group, label, M, *ov, seed=0, algorithm="decoupled", steps=None):
+        r.append(
+            {"group": group, "label": label, "M": M, "algorithm": algorithm, "overrides": list(ov), "seed": seed}
+            | ({"steps": steps} if steps else {})
+        )
 
     Ms = (4,) if tiny else (4, 8)
     for M in Ms:
@@ -83,13 +82,17 @@ def rows(tiny: bool) -> list[dict]:
     add("quorum", "K=M", 4, "syncer.quorum=4", "syncer.grace_factor=0", *CHAOS_STRAGGLERS, "chaos.stragglers=2")
     add("quorum", "K=1, no grace", 4, "syncer.grace_factor=0", *CHAOS_STRAGGLERS, "chaos.stragglers=2")
     add("quorum", "K=1 + grace", 4, *CHAOS_STRAGGLERS, "chaos.stragglers=2")
-    for mode in ("blend", "rebase"):
+    for mode in ("overwrite", "blend", "rebase"):
         add("receive", mode, 4, f"learner.receive={mode}")
     add("fragments", "P=1", 4, "fragments.count=1")
     # one tensor per fragment: the tiny model has 14 tensors; H must be a multiple of P and τ < H/P
     add("fragments", "P=14 (all tensors), H=28, τ=1", 4, "fragments.count=14", "sync.every=28", "sync.overlap=1")
     for H in (24, 48, 96):
         add("bandwidth", f"H={H}, int4 both ways", 4, "compression.publish=delta", f"sync.every={H}")
+    # the gap to dp against training length (each row its own step count, equal tokens within a pair)
+    for S in (480, 1000):
+        add("horizon", f"dp (1 learner, 4x batch), {S} steps", 4, algorithm="dp", steps=S)
+        add("horizon", f"decoupled, {S} steps", 4, steps=S)
     return r
 
 
@@ -126,6 +129,7 @@ def run_row(args: tuple[dict, int, bool]) -> dict:
     from actors.local import run_local
 
     row, steps, tiny = args
+    steps = row.get("steps", steps)
     cfg = row_config(row, steps, tiny)
     M = cfg.learners.count
     times = [1.0 + 0.2 * m / (M - 1) for m in range(M)] if M > 1 else [1.0]
@@ -137,8 +141,12 @@ def run_row(args: tuple[dict, int, bool]) -> dict:
         loss = run.evaluate()
     merges = [e for e in run.events if e["event"] == "merge"]
     tokens = sum(c.step_count * c.tokens_per_step for c in run.learners)
+    from dloco import build
+
     return {
         **row,
+        "steps": steps,
+        "params": sum(int(v.size) for f in build.blueprint(cfg).initial for v in f.values()),
         "config_hash": config_hash(cfg),
         "config": cfg.to_dict(),
         "eval_loss": loss,
@@ -194,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=160, help="inner steps per learner (equal tokens per M)")
     ap.add_argument("--workers", type=int, default=2, help="rows run in parallel processes")
     ap.add_argument("--only", default="", help="comma-separated groups to run (default: all)")
-    ap.add_argument("--tiny", action="store_true", help="a 5k-parameter model, few rows (for tests)")
+    ap.add_argument("--tiny", action="store_true", help="the micro preset, few rows (for tests)")
     ap.add_argument("--out", default="benchmarks/results/quality.json")
     a = ap.parse_args(argv)
     steps = 16 if a.tiny and a.steps == 160 else a.steps
@@ -210,20 +218,30 @@ def main(argv: list[str] | None = None) -> int:
                 f"loss {res['eval_loss']:.4f}  ({res['wall_s']:.0f} s)",
                 flush=True,
             )
+    out = Path(a.out)
+    prior_s = 0.0
+    commands = ["python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])]
+    if a.only and out.exists():  # a partial run replaces its groups' rows in the existing results
+        old = json.loads(out.read_text())
+        if old["tiny"] == a.tiny and old["steps"] == steps:
+            ran = {r["group"] for r in todo}
+            results += [r for r in old["results"] if r["group"] not in ran]
+            commands = old.get("commands", [old.get("command")]) + commands
+            prior_s = old["wall_s"]
+            todo = [r for r in rows(a.tiny) if r["group"] in {x["group"] for x in results}]
     order = {(r["group"], r["label"], r["M"], r["seed"]): i for i, r in enumerate(todo)}
     results.sort(key=lambda r: order[(r["group"], r["label"], r["M"], r["seed"])])
     summary = summarize(results)
     print(f"\n{'group':12s} {'row':34s} {'M':>3s} {'loss':>8s} {'±':>7s} seeds")
     for s in summary:
         print(f"{s['group']:12s} {s['label']:34s} {s['M']:3d} {s['mean']:8.4f} {s['spread']:7.4f} {s['seeds']}")
-    out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
-        "command": "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commands": commands,
         "steps": steps,
         "tiny": a.tiny,
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
-        "wall_s": time.time() - t0,
+        "wall_s": prior_s + time.time() - t0,
         "results": results,
         "summary": [{k: v for k, v in s.items() if k != "row"} for s in summary],
     }

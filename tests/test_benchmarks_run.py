@@ -100,3 +100,21 @@ def test_quality_tiny_runs_every_algorithm_at_equal_tokens(tmp_path):
     assert delta["bytes_down_per_learner"] * 6 < full["bytes_down_per_learner"]
     assert rows[("compression", "int2")]["bytes_up"] * 1.8 < full["bytes_up"]
     assert out.with_suffix(".png").stat().st_size > 1000
+
+    # a partial rerun replaces only its group's rows
+    run_script("quality.py", "--tiny", "--only", "compression", "--out", str(out))
+    again = json.loads(out.read_text())
+    assert [(r["group"], r["label"]) for r in again["results"]] == [(r["group"], r["label"]) for r in doc["results"]]
+    assert [r["eval_loss"] for r in again["results"]] == [r["eval_loss"] for r in doc["results"]]  # deterministic
+    assert len(again["commands"]) == 2 and "--only compression" in again["commands"][1]
+
+    # docs/RESULTS.md generated from it: the computed gap, every row's config hash, the figure
+    md = tmp_path / "docs" / "RESULTS.md"
+    run_script("report.py", "--results", str(tmp_path), "--out", str(md))
+    text = md.read_text()
+    dp = rows[("main", "dp (1 learner, 4x batch)")]["eval_loss"]
+    gap = 100 * (full["eval_loss"] - dp) / dp
+    assert f"decoupled {gap:+.2f} %" in text
+    assert all(r["config_hash"] in text for r in doc["results"])
+    assert "Not run: `python benchmarks/bandwidth.py`" in text and "Not run: `sudo python benchmarks/wan.py`" in text
+    assert (md.parent / "figures" / "quality.png").stat().st_size > 1000
