@@ -84,6 +84,10 @@ def rows(tiny: bool) -> list[dict]:
     add("quorum", "K=1 + grace", 4, *CHAOS_STRAGGLERS, "chaos.stragglers=2")
     for mode in ("overwrite", "blend", "rebase"):
         add("receive", mode, 4, f"learner.receive={mode}")
+    add("receive", "rebase, outer lr 0.5", 4, "learner.receive=rebase", "outer.lr=0.5")
+    for mode in ("overwrite", "blend", "rebase"):
+        add("receive", mode, 8, f"learner.receive={mode}")
+    add("receive", "rebase, outer lr 0.5", 8, "learner.receive=rebase", "outer.lr=0.5")
     add("fragments", "P=1", 4, "fragments.count=1")
     # one tensor per fragment: the tiny model has 14 tensors; H must be a multiple of P and τ < H/P
     add("fragments", "P=14 (all tensors), H=28, τ=1", 4, "fragments.count=14", "sync.every=28", "sync.overlap=1")
@@ -211,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     ctx = mp.get_context("spawn")
     with ctx.Pool(max(1, a.workers)) as pool:
-        for res in pool.imap_unordered(run_row, [(r, steps, a.tiny) for r in todo]):
+        longest_first = sorted(todo, key=lambda r: -r["M"] * r.get("steps", steps))
+        for res in pool.imap_unordered(run_row, [(r, steps, a.tiny) for r in longest_first]):
             results.append(res)
             print(
                 f"{res['group']:12s} {res['label']:32s} M={res['M']:<3d} seed={res['seed']} "
