@@ -145,12 +145,10 @@ def run_row(args: tuple[dict, int, bool]) -> dict:
         loss = run.evaluate()
     merges = [e for e in run.events if e["event"] == "merge"]
     tokens = sum(c.step_count * c.tokens_per_step for c in run.learners)
-    from dloco import build
-
     return {
         **row,
         "steps": steps,
-        "params": sum(int(v.size) for f in build.blueprint(cfg).initial for v in f.values()),
+        "params": sum(f.size for f in run.blueprint.plan.fragments),
         "config_hash": config_hash(cfg),
         "config": cfg.to_dict(),
         "eval_loss": loss,

@@ -31,15 +31,6 @@ def pct(a: float, b: float) -> float:
     return 100.0 * (a - b) / b
 
 
-def params_of(row: dict) -> int:
-    if "params" in row:
-        return row["params"]
-    from dloco import build, config
-
-    bp = build.blueprint(config.from_dict(row["config"]))
-    return sum(int(v.size) for f in bp.initial for v in f.values())
-
-
 class Quality:
     """The rows of quality.json, looked up by (group, label, M)."""
 
@@ -57,7 +48,7 @@ class Quality:
         )
 
     def steps_of(self, s: dict) -> int:
-        return self.runs_of(s)[0].get("steps", self.doc["steps"])
+        return self.runs_of(s)[0]["steps"]
 
     def dp_for(self, s: dict) -> dict | None:
         """The dp row a row is compared with: the same M, and in the horizon group the same steps."""
@@ -199,6 +190,18 @@ def quality_findings(q: Quality) -> list[str]:
     return lines
 
 
+def int4_both_ways(bw: dict, H: int) -> dict | None:
+    """bandwidth.py's row for decoupled with int4 pushes and int4 delta publishes at H."""
+    return next(
+        (
+            r
+            for r in bw["rows"]
+            if (r["algorithm"], r["H"], r.get("dtype"), r.get("publish")) == ("decoupled", H, "int4", "delta")
+        ),
+        None,
+    )
+
+
 def bandwidth_section(bw: dict, q: Quality | None) -> list[str]:
     out = [
         "## Wire accounting (`benchmarks/bandwidth.py`)",
@@ -231,17 +234,9 @@ def bandwidth_section(bw: dict, q: Quality | None) -> list[str]:
             for s in rows:
                 r = q.runs_of(s)[0]
                 H = r["config"]["sync"]["every"]
-                bwr = next(
-                    (
-                        x
-                        for x in bw["rows"]
-                        if x["algorithm"] == "decoupled" and x["H"] == H and x.get("dtype") == "int4"
-                        if x.get("publish") == "delta"
-                    ),
-                    None,
-                )
-                n = params_of(r)
-                steps, M = r.get("steps", q.doc["steps"]), r["M"]
+                bwr = int4_both_ways(bw, H)
+                n = r["params"]
+                steps, M = r["steps"], r["M"]
                 measured = 8 * n * steps * M / (r["bytes_up"] + r["bytes_down_per_learner"] * M)
                 out.append(
                     f"| {H} | {s['mean']:.4f} | {pct(s['mean'], dp['mean']):+.2f} % | "
@@ -280,15 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if q:
         lines += quality_findings(q)
     if bw:
-        best = next(
-            (
-                r
-                for r in bw["rows"]
-                if r["algorithm"] == "decoupled" and r["H"] == 24 and r.get("dtype") == "int4"
-                if r.get("publish") == "delta"
-            ),
-            None,
-        )
+        best = int4_both_ways(bw, 24)
         if best:
             lines.append(
                 f"- **Bandwidth**: decoupled with int4 both ways at H = 24 moves {best['ratio_to_dp']:.1f}× fewer "

@@ -497,25 +497,25 @@ class RunConfig:
 # 1.07, 1.13, 1.2, 50 steps each, tiny model): K=1 with the spec's η=0.7, μ=0.9 ends at eval loss
 # 3.19, with η=1, μ=0 at 2.67 (K=M with η=0.7, μ=0.9: 2.81). With K < M a round of H steps is
 # merged in several partial merges, and Nesterov momentum compounds across them.
+_PLAIN_OUTER = {"lr": 1.0, "momentum": 0.0}
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {"outer": {"lr": 1.0, "momentum": 0.0}},
-    # `micro`: a 21k-parameter model on 400 kB of the corpus that compiles in about a second, for
-    # smoke runs and tests; `mini`: a 115k-parameter model whose steps take ~10 ms on one core, for
-    # benchmarks that time the system rather than the arithmetic.
+    "tiny": {"outer": _PLAIN_OUTER},
+    # `micro`: a 21k-parameter model on 400 kB of the corpus, for smoke runs and tests; `mini`: a
+    # 115k-parameter model, for benchmarks that time the system rather than the arithmetic.
     "micro": {
-        "outer": {"lr": 1.0, "momentum": 0.0},
+        "outer": _PLAIN_OUTER,
         "model": {"d_model": 32, "n_heads": 2, "n_layers": 1},
         "inner": {"batch_size": 4},
         "data": {"seq_len": 32, "max_bytes": 400_000},
     },
     "mini": {
-        "outer": {"lr": 1.0, "momentum": 0.0},
+        "outer": _PLAIN_OUTER,
         "model": {"d_model": 64, "n_heads": 2, "n_layers": 2},
         "inner": {"batch_size": 8},
         "data": {"seq_len": 64, "max_bytes": 2_000_000},
     },
     "small": {
-        "outer": {"lr": 1.0, "momentum": 0.0},
+        "outer": _PLAIN_OUTER,
         "model": {"d_model": 256, "n_layers": 4, "n_heads": 4},
         "inner": {"lr": 2e-3, "warmup_steps": 50, "total_steps": 2000, "batch_size": 8},
         "data": {"seq_len": 128},
