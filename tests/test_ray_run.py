@@ -178,6 +178,8 @@ def test_delta_publish_with_latency_survives_a_store_restart(ray_cluster, cfg_fo
         assert min(ages) >= 0.2, ages
         full = sum(4 * f.size for f in build.blueprint(h.cfg).plan.fragments)
         assert all(e["bytes_out"] < full / 6 for e in merges(h))
+        # the driver polls learner statuses in the background: wait until a poll has seen an install
+        wait_for(lambda: sum(s["installs"] for s in h.status()["learners"].values()) > 0)
         status = h.status()["learners"]
         installs = sum(s["installs"] for s in status.values())
         assert installs > 0 and sum(s["bytes_in"] for s in status.values()) < installs * full / 6
