@@ -51,14 +51,18 @@ class Quality:
         return self.runs_of(s)[0]["steps"]
 
     def dp_for(self, s: dict) -> dict | None:
-        """The dp row a row is compared with: the same M, and in the horizon group the same steps."""
-        if s["group"] != "horizon":
+        """The dp row a row is compared with: the same M; in the horizon and gap groups the dp row
+        (label "dp (...") of either group that trained on as many tokens."""
+        if s["group"] not in ("horizon", "gap"):
             return self.dp(s["M"])
+        tokens = self.runs_of(s)[0]["tokens"]
         return next(
             (
                 x
                 for x in self.doc["summary"]
-                if x["group"] == "horizon" and x["label"].startswith("dp") and self.steps_of(x) == self.steps_of(s)
+                if x["group"] in ("horizon", "gap")
+                and x["label"].startswith("dp (")
+                and self.runs_of(x)[0]["tokens"] == tokens
             ),
             None,
         )
@@ -86,6 +90,7 @@ def quality_tables(q: Quality) -> list[str]:
         "fragments": "Fragments (P = 4 is the default: the main table's decoupled row)",
         "bandwidth": "Sync interval H with int4 both ways (`compression.publish: delta`)",
         "horizon": "Training length: dp and decoupled at M = 4 with more steps (equal tokens within a pair)",
+        "gap": "Where the gap comes from: one learner, the spec's outer Nesterov, a larger per-learner batch",
     }
     for g in groups:
         items = [s for s in q.doc["summary"] if s["group"] == g]
@@ -99,7 +104,9 @@ def quality_tables(q: Quality) -> list[str]:
             runs = q.runs_of(s)
             r0 = runs[0]
             vs_dp = f"{pct(s['mean'], dp['mean']):+.2f} %" if dp else "-"
-            vs_de = f"{pct(s['mean'], de['mean']):+.2f} %" if de and de is not s and g != "horizon" else "-"
+            vs_de = (
+                f"{pct(s['mean'], de['mean']):+.2f} %" if de and de is not s and g not in ("horizon", "gap") else "-"
+            )
             merges = "/".join(str(r["merges"]) for r in runs)
             out.append(
                 f"| {s['label']} | {s['M']} | {fmt_loss(s)} | {vs_dp} | {vs_de} | {s['seeds']} | {merges} | "
@@ -180,6 +187,15 @@ def quality_findings(q: Quality) -> list[str]:
             + ", ".join(f"{n} steps {g:+.2f} %" for n, g in gaps)
             + "."
         )
+    gp = [s for s in q.doc["summary"] if s["group"] == "gap" and not s["label"].startswith("dp (")]
+    if gp:
+        parts = []
+        for s in gp:
+            ref = q.dp_for(s)
+            parts.append(
+                f"{s['label']} {s['mean']:.4f}" + (f" ({pct(s['mean'], ref['mean']):+.2f} % vs dp)" if ref else "")
+            )
+        lines.append("- **Where the gap comes from** (M = 4 unless 1 learner): " + ", ".join(parts) + ".")
     fr = [s for s in q.doc["summary"] if s["group"] == "fragments"]
     if fr and q.default(4):
         lines.append(
