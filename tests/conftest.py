@@ -1,6 +1,9 @@
 """Test environment: JAX on CPU with two virtual devices, few threads, no Ray started here."""
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -54,3 +57,26 @@ def wait_for(pred, timeout=120.0, every=0.25):
             return value
         time.sleep(every)
     raise AssertionError(f"condition not met within {timeout} s")
+
+
+def run_privileged_script(cmd, cwd, timeout, drop_env=("RAY_ADDRESS",)):
+    """Runs a script that builds network namespaces (exit 77: skip); returns (returncode, output).
+
+    On timeout it sends SIGTERM first, so the script's own cleanup stops its Ray nodes and deletes
+    its namespaces, then SIGKILL, and fails the test."""
+    env = {k: v for k, v in os.environ.items() if k not in drop_env}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        pytest.fail(f"{cmd} did not finish within {timeout} s:\n{out[-4000:]}")
+    if proc.returncode == 77:
+        pytest.skip(out.strip().splitlines()[-1] if out.strip() else f"{cmd} skipped")
+    return proc.returncode, out

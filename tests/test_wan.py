@@ -5,13 +5,11 @@ without them. Values are checked, not timings: nothing here asserts how fast any
 """
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_privileged_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,26 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(420)
 def test_wan_tiny_writes_both_runs(tmp_path):
     out = tmp_path / "wan.json"
-    env = dict(os.environ)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    env.pop("RAY_ADDRESS", None)
-    env.pop("XLA_FLAGS", None)  # conftest's two virtual devices are for in-process tests only
     cmd = [sys.executable, str(ROOT / "benchmarks" / "wan.py"), "--tiny", "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        text, _ = proc.communicate(timeout=380)
-    except subprocess.TimeoutExpired:
-        # SIGTERM first: the script's handler stops both Ray nodes and deletes its namespaces.
-        proc.send_signal(signal.SIGTERM)
-        try:
-            text, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            text, _ = proc.communicate()
-        pytest.fail(f"wan.py --tiny did not finish within 380 s:\n{text[-4000:]}")
-    if proc.returncode == 77:
-        pytest.skip(text.strip().splitlines()[-1] if text.strip() else "wan.py skipped")
-    assert proc.returncode == 0, text[-4000:]
+    # conftest's two virtual devices (XLA_FLAGS) are for in-process tests only
+    rc, text = run_privileged_script(cmd, ROOT, timeout=380, drop_env=("RAY_ADDRESS", "XLA_FLAGS"))
+    assert rc == 0, text[-4000:]
 
     d = json.loads(out.read_text())
     assert {"command", "target", "publish", "link", "runs", "speedup", "scaling", "table", "versions"} <= set(d)
