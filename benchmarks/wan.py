@@ -81,7 +81,7 @@ PORTS_HEAD = {"--node-manager-port": 6492, "--object-manager-port": 6493, "--ray
 PORTS_WORKER = {"--node-manager-port": 6494, "--object-manager-port": 6495}
 SKIP = 77
 
-# Full mode: a 115k-parameter model (0.46 MB fp32) whose step takes ~10 ms on one core, so that a
+# Full mode: a 115k-parameter model (0.46 MB fp32) whose step took 15 ms on one core (dp run, wan.json), so that a
 # few-Mbit/s link makes the dp step comm-bound by the 12B-over-WAN factor. Tiny mode: a 21k one.
 MODELS = {"full": ("preset=mini",), "tiny": ("preset=micro",)}
 DEFAULTS = {  # per mode: cap, target, budgets (s), evaluation cadence (s) per algorithm
