@@ -188,10 +188,17 @@ class SyncerConfig:
 
 @dataclass(frozen=True)
 class MergeConfig:
-    """Merge rule for non-embedding tensors and contribution weighting (ALGORITHM.md §6)."""
+    """Merge rule for non-embedding tensors and contribution weighting (ALGORITHM.md §6).
+
+    `scale_by_share` (this project's decision, docs/ARCHITECTURE.md): a round that includes
+    only some of the live learners applies Δ scaled by its share of their token weight, so that
+    the rounds of one sync period together move Θ_p by the weighted mean of the learners'
+    progress (as a full round does), not by its sum.
+    """
 
     rule: str = "rda"
     weighting: str = "tokens"
+    scale_by_share: bool = True
 
     def __post_init__(self) -> None:
         _choice("merge", self, "rule", ("rda", "mean"))
@@ -227,15 +234,16 @@ class CompressionConfig:
 class LearnerConfig:
     """How a learner installs a merged fragment: overwrite | blend (α = blend_alpha) | rebase.
 
-    `blend` is the default: it won the receive ablation (benchmarks/quality.py, tiny model, 160
-    steps, K = 1 + grace, η = 1): eval loss overwrite / blend / rebase 2.394 / 2.350 / 2.974 at M = 4
-    and 2.733 / 2.421 / 3.554 at M = 8 (rebase with η = 0.5: 2.505 and 2.817). With K < M a merge
-    carries only some learners' pushes: overwrite discards the local progress of every other learner
-    (more of it as M grows); rebase keeps all of it, so a round applies the sum of M learners'
-    progress and overshoots unless η shrinks with M; blend keeps half.
+    `rebase` is the default: with `merge.scale_by_share` it won the receive ablation
+    (benchmarks/quality.py, docs/RESULTS.md). With K = 1 + grace and learners of different speeds
+    most rounds hold one push; each then applies its share (≈ 1/M) of that learner's progress.
+    rebase keeps every learner's own unmerged progress, so nothing trained is lost; overwrite and
+    blend throw away all or half of it at every other learner's merge, up to M times per period.
+    Measured at 480 steps, M = 4 (eval loss): rebase 1.794, blend 2.215, against 2.101 for the
+    former default (blend without share scaling) and 1.758 for synchronous DiLoCo.
     """
 
-    receive: str = "blend"
+    receive: str = "rebase"
     blend_alpha: float = 0.5
 
     def __post_init__(self) -> None:
@@ -410,8 +418,8 @@ BLOCKING_ALGORITHMS = ("diloco", "streaming", *DP_ALGORITHMS)
 # (so a conflicting explicit value fails validation with a message, never silently wins).
 # dp: one fragment sent every step (H = 1, P = 1, τ = 0) holding the full fp32 gradient, averaged
 # by tokens; every learner installs the same AdamW update (see `dloco.outer`). diloco installs the
-# merged model as it is (the paper's overwrite); streaming keeps the default blend, Streaming
-# DiLoCo's mixing of the local and the merged fragment.
+# merged model as it is (the paper's overwrite); streaming blends, Streaming DiLoCo's mixing of the
+# local and the merged fragment.
 _DP = {
     "sync": {"every": 1, "overlap": 0},
     "fragments": {"count": 1},
@@ -424,7 +432,7 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "dp": _DP,
     "elastic_dp": _DP,
     "diloco": {"fragments": {"count": 1}, "syncer": {"grace_factor": 0.0}, "learner": {"receive": "overwrite"}},
-    "streaming": {"syncer": {"grace_factor": 0.0}},
+    "streaming": {"syncer": {"grace_factor": 0.0}, "learner": {"receive": "blend"}},
 }
 
 

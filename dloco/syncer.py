@@ -92,6 +92,8 @@ class SyncerCore:
         self.dp, self.elastic = cfg.algorithm in DP_ALGORITHMS, cfg.algorithm == "elastic_dp"
         self.dropped: set[int] = set()  # elastic_dp: learners the current configuration runs without
         self._dropping: dict[int, list[int]] = {}  # fragment → learners its closing round dropped
+        # fragment → learner → weight w_m of its last merged push (soft state for `share`)
+        self._last_weight: list[dict[int, float]] = [{} for _ in range(plan.count)]
 
     def push(self, meta: ContributionMeta, payload: Any, now: float) -> Decision:
         """Validates a push's metadata and adds it to its fragment's round (`payload` is opaque)."""
@@ -214,6 +216,9 @@ class SyncerCore:
         else:
             weights = np.ones(len(metas))
         pseudo_grad = merge.merge_fragment(deltas, weights, self.cfg.merge.rule, self.embedding, norms)
+        share = self.share(p, metas, weights)
+        if share < 1.0:
+            pseudo_grad = {n: x * np.float32(share) for n, x in pseudo_grad.items()}
         values, state = self._outer_step(self.values[p], self.state[p], pseudo_grad)
         for tn in norms:
             self.norms[p].record(float(np.sqrt(sum(v * v for v in tn.values()))))
@@ -238,6 +243,7 @@ class SyncerCore:
             "tokens": [m.tokens for m in metas],
             "inner_steps": [m.steps for m in metas],
             "weights": [float(w) for w in np.asarray(weights) / np.sum(weights)],
+            "share": share,
             "staleness": [self.version[p] - m.base_version for m in metas],
             "cycle_s": [m.cycle_time for m in metas],
             "grace_s": grace_used,
@@ -250,6 +256,29 @@ class SyncerCore:
         if self.elastic:
             event["dropped"] = self._dropping.pop(p, [])
         return MergeOutcome(commit, event, rejections, state)
+
+    def share(self, p: int, metas: list[ContributionMeta], weights: np.ndarray) -> float:
+        """The round's share of the live learners' weight: Σ_round w_m / (Σ_round w_m + Σ_absent ŵ_i).
+
+        ŵ_i is the weight of learner i's last merged push to fragment p (the mean of the known
+        ones for a learner not seen yet); the live learners are the registry's. 1 for dp and
+        elastic_dp (their rounds are complete by construction) and with `merge.scale_by_share`
+        off. Records the round's weights for the next rounds.
+        """
+        w = np.asarray(weights, np.float64)
+        last = self._last_weight[p]
+        for m, wm in zip(metas, w, strict=True):
+            last[m.learner_id] = float(wm)
+        if self.dp or not self.cfg.merge.scale_by_share:
+            return 1.0
+        present = {m.learner_id for m in metas}
+        absent = [i for i in self.registry if i not in present]
+        if not absent:
+            return 1.0
+        known = [w_i for i, w_i in last.items() if i in self.registry]
+        fallback = float(np.mean(known)) if known else float(w.mean())
+        missing = sum(last.get(i, fallback) for i in absent)
+        return float(w.sum() / (w.sum() + missing))
 
     def _publish(self, p: int, values: dict[str, np.ndarray]) -> tuple[dict | None, dict | None]:
         """publish: delta → (new shadow Θ̂_p + decode(q), q = encode(Θ_p − Θ̂_p)); full → (None, None)."""

@@ -11,7 +11,7 @@ def test_defaults_match_the_spec():
     assert (c.learners.count, c.fragments.count, c.sync.every, c.sync.overlap) == (4, 4, 24, 2)
     assert (c.syncer.quorum, c.syncer.grace_factor, c.syncer.max_grace_steps) == (1, 0.5, 1.0)
     assert (c.outer.lr, c.outer.momentum, c.outer.nesterov) == (0.7, 0.9, True)
-    assert (c.compression.dtype, c.compression.publish, c.learner.receive) == ("int4", "full", "blend")
+    assert (c.compression.dtype, c.compression.publish, c.learner.receive) == ("int4", "full", "rebase")
     assert (c.inner.weight_decay, c.inner.b2, c.inner.grad_clip) == (0.1, 0.95, 1.0)
     assert (c.merge.rule, c.merge.weighting) == ("rda", "tokens")
     assert c.preset == "tiny" and c.data.source == "stdlib"
@@ -98,7 +98,7 @@ def test_frozen():
 def test_baselines_install_merges_as_their_papers_do():
     receive = {a: config.load(overrides=(f"algorithm={a}",)).learner.receive for a in config.ALGORITHMS}
     assert receive == {
-        "decoupled": "blend",
+        "decoupled": "rebase",
         "diloco": "overwrite",
         "streaming": "blend",
         "dp": "overwrite",

@@ -101,12 +101,49 @@ def test_round_merges_with_token_weights_and_outer_step():
     assert due == [1]
     items, _ = s.take(1, 1.0)
     out = s.merge(1, items, grace_used=0.0)
-    # w = tokens²/steps = 4000 and 1000 → normalized 0.8, 0.2; Θ ← 0 − 1·Δ
+    # w = tokens²/steps = 4000 and 1000 → normalized 0.8, 0.2. Learner 2 (registered) is absent and
+    # not seen yet: it counts with the mean known weight 2500, so the round's share is 5000/7500.
+    # Θ ← 0 − 1·share·Δ
     assert out.event["weights"] == pytest.approx([0.8, 0.2])
-    np.testing.assert_allclose(out.commit.values["w"], [-0.8, -0.2, 0, 0])
+    assert out.event["share"] == pytest.approx(2 / 3)
+    np.testing.assert_allclose(out.commit.values["w"], [-0.8 * 2 / 3, -0.2 * 2 / 3, 0, 0], rtol=1e-6)
     assert out.commit.version == 1 and [mp.learner_id for mp in out.commit.merged] == [0, 1]
     s.committed(out, sync_time=0.01)
     assert s.version[1] == 1
+
+
+def merge_alone(s, m, tokens, x, now):
+    """Pushes one contribution to fragment 1, closes its round and commits it; returns the merge event."""
+    assert s.push(meta(m, tokens=tokens, base=s.version[1]), payload(x), now=now).accept
+    items, _ = s.take(1, now)
+    out = s.merge(1, items, grace_used=0.0)
+    s.committed(out, sync_time=0.01)
+    return out
+
+
+def test_partial_rounds_are_scaled_by_their_share_of_the_live_weight():
+    _, s = make_syncer(**{"syncer.quorum": 1})
+    # learner 0 alone, nobody else seen yet: the 2 absent learners count with its weight 1000 → share 1/3
+    e = merge_alone(s, 0, 100, [3, 0, 0, 0], now=0.0).event
+    assert e["share"] == pytest.approx(1 / 3)
+    np.testing.assert_allclose(s.values[1]["w"], [-1, 0, 0, 0], rtol=1e-6)
+    # learner 1 alone with w = 200²/10 = 4000; absent: learner 0 (last 1000), learner 2 (mean 2500)
+    e = merge_alone(s, 1, 200, [0, 3, 0, 0], now=1.0).event
+    assert e["share"] == pytest.approx(4000 / 7500)
+    np.testing.assert_allclose(s.values[1]["w"], [-1, -3 * 8 / 15, 0, 0], rtol=1e-6)
+    # a round with every registered learner is applied in full
+    for m in range(3):
+        assert s.push(meta(m, base=s.version[1]), payload([0, 0, 3, 0]), now=2.0).accept
+    items, _ = s.take(1, 2.0)
+    out = s.merge(1, items, grace_used=0.0)
+    assert out.event["share"] == 1.0
+    np.testing.assert_allclose(out.commit.values["w"], [-1, -1.6, -3, 0], rtol=1e-6)
+
+
+def test_share_scaling_off_applies_each_round_in_full():
+    _, s = make_syncer(**{"syncer.quorum": 1, "merge.scale_by_share": "false"})
+    assert merge_alone(s, 0, 100, [3, 0, 0, 0], now=0.0).event["share"] == 1.0
+    np.testing.assert_allclose(s.values[1]["w"], [-3, 0, 0, 0])
 
 
 def test_bad_contributions_are_rejected_with_reasons_and_never_absorbed():
@@ -125,7 +162,9 @@ def test_bad_contributions_are_rejected_with_reasons_and_never_absorbed():
     assert any("shape" in r for r in reasons)
     assert "payload lost: owner died" in reasons
     assert out.event["contributors"] == [1]
-    np.testing.assert_allclose(out.commit.values["w"], [0, -1, 0, 0])  # only learner 1's delta
+    # only learner 1's delta, applied at its share: 1 of 3 registered learners of equal weight
+    assert out.event["share"] == pytest.approx(1 / 3)
+    np.testing.assert_allclose(out.commit.values["w"], [0, -1 / 3, 0, 0], rtol=1e-6)
     assert np.isfinite(out.commit.values["w"]).all()
 
 
