@@ -49,12 +49,10 @@ MODEL = (
     "metrics.eval_every_s=15",
     "metrics.stall_threshold_s=5",
 )
-# Decoupled: K = 1 (the model advances while any learner is up), rebase receive (nothing trained
-# is thrown away) with outer lr 0.5. Measured in-process (actors.local, 4 learners at step times
-# 1.0-1.2, 144 steps, this MODEL): merged share of the work / eval loss — rebase K=1 lr 0.5:
-# 0.94 / 3.331, rebase K=1 lr 1.0: 0.94 / 3.79 (each learner's full progress is summed), overwrite
-# K=4: 0.72 / 3.33, overwrite K=1: 0.22 / 3.79 (most progress is overwritten).
-DECOUPLED = ("syncer.quorum=1", "learner.receive=rebase", "outer.lr=0.5")
+# Decoupled: the defaults, K = 1 + grace (the model advances while any learner is up), rebase
+# receive (nothing trained is thrown away) and rounds scaled by their share of the live learners'
+# weight (`merge.scale_by_share`), so a one-push round does not apply a learner's full progress.
+DECOUPLED = ("syncer.quorum=1",)
 
 
 def run_one(name: str, overrides: list[str], run_dir: Path) -> dict:
