@@ -82,12 +82,13 @@ def rows(tiny: bool) -> list[dict]:
     add("quorum", "K=M", 4, "syncer.quorum=4", "syncer.grace_factor=0", *CHAOS_STRAGGLERS, "chaos.stragglers=2")
     add("quorum", "K=1, no grace", 4, "syncer.grace_factor=0", *CHAOS_STRAGGLERS, "chaos.stragglers=2")
     add("quorum", "K=1 + grace", 4, *CHAOS_STRAGGLERS, "chaos.stragglers=2")
-    for mode in ("overwrite", "blend", "rebase"):
-        add("receive", mode, 4, f"learner.receive={mode}")
-    add("receive", "rebase, outer lr 0.5", 4, "learner.receive=rebase", "outer.lr=0.5")
-    for mode in ("overwrite", "blend", "rebase"):
-        add("receive", mode, 8, f"learner.receive={mode}")
-    add("receive", "rebase, outer lr 0.5", 8, "learner.receive=rebase", "outer.lr=0.5")
+    # each receive mode with the default share scaling, and blend / rebase with every round applied
+    # in full (merge.scale_by_share=false; blend unscaled was the default before)
+    for M in (4, 8):
+        for mode in ("overwrite", "blend", "rebase"):
+            add("receive", mode, M, f"learner.receive={mode}")
+        for mode in ("blend", "rebase"):
+            add("receive", f"{mode}, unscaled rounds", M, f"learner.receive={mode}", "merge.scale_by_share=false")
     add("fragments", "P=1", 4, "fragments.count=1")
     # one tensor per fragment: the tiny model has 14 tensors; H must be a multiple of P and τ < H/P
     add("fragments", "P=14 (all tensors), H=28, τ=1", 4, "fragments.count=14", "sync.every=28", "sync.overlap=1")
@@ -96,6 +97,7 @@ def rows(tiny: bool) -> list[dict]:
     # the gap to dp against training length (each row its own step count, equal tokens within a pair)
     for S in (480, 1000):
         add("horizon", f"dp (1 learner, 4x batch), {S} steps", 4, algorithm="dp", steps=S)
+        add("horizon", f"diloco, {S} steps", 4, algorithm="diloco", steps=S)
         add("horizon", f"decoupled, {S} steps", 4, steps=S)
     # where the gap comes from: one learner with the same per-learner batch (what 4 learners must beat),
     # the spec's outer Nesterov (η 0.7, μ 0.9) instead of the presets' plain η 1, and a 4x larger
@@ -103,7 +105,8 @@ def rows(tiny: bool) -> list[dict]:
     nesterov = ("outer.lr=0.7", "outer.momentum=0.9")
     for S in (480, 1000):
         add("gap", f"1 learner, 1x batch, {S} steps", 1, algorithm="dp", steps=S)
-        add("gap", f"decoupled, outer η 0.7 μ 0.9, {S} steps", 4, *nesterov, steps=S)
+    add("gap", "diloco, outer η 0.7 μ 0.9, 480 steps", 4, *nesterov, algorithm="diloco", steps=480)
+    add("gap", "decoupled, outer η 0.7 μ 0.9, 480 steps", 4, *nesterov, steps=480)
     add("gap", "dp (1 learner, 4x batch), batch 32 per learner", 4, "inner.batch_size=128", algorithm="dp")
     add("gap", "decoupled, batch 32 per learner", 4, "inner.batch_size=32")
     return r
@@ -127,10 +130,12 @@ def row_config(row: dict, steps: int, tiny: bool) -> config.RunConfig:
         "budget.tokens=0",
         f"budget.steps={steps}",
     ]
+    # the same training windows for every algorithm: dp's one learner reads them all (one shard),
+    # M learners read M disjoint shards of them
     if row["algorithm"] in config.DP_ALGORITHMS:
-        ov += ["learners.count=1", f"inner.batch_size={batch * M}"]
+        ov += ["learners.count=1", f"inner.batch_size={batch * M}", "data.shards=1"]
     else:
-        ov += [f"learners.count={M}"]
+        ov += [f"learners.count={M}", f"data.shards={M}"]
     return config.load(overrides=[*ov, *row["overrides"]])
 
 

@@ -177,14 +177,21 @@ def quality_findings(q: Quality) -> list[str]:
             + ", ".join(f"{lab} {s['mean']:.4f}" for lab, s in rv.items())
             + f". Lowest loss: {best}."
         )
+    de, dp, dl = q.default(4), q.dp(4), q.get("main", "diloco", 4)
     hz = [s for s in q.doc["summary"] if s["group"] == "horizon" and not s["label"].startswith("dp")]
-    de, dp = q.default(4), q.dp(4)
     if hz and de and dp:
-        gaps = [(q.steps_of(de), pct(de["mean"], dp["mean"]))]
-        gaps += [(q.steps_of(s), pct(s["mean"], q.dp_for(s)["mean"])) for s in hz if q.dp_for(s)]
+        by_len: dict[int, dict[str, float]] = {q.steps_of(de): {"decoupled": pct(de["mean"], dp["mean"])}}
+        if dl:
+            by_len[q.steps_of(dl)]["diloco"] = pct(dl["mean"], dp["mean"])
+        for s in hz:
+            if q.dp_for(s):
+                by_len.setdefault(q.steps_of(s), {})[s["label"].split(",")[0]] = pct(s["mean"], q.dp_for(s)["mean"])
         lines.append(
-            "- **Gap to dp against training length** (M = 4, decoupled vs dp at equal tokens): "
-            + ", ".join(f"{n} steps {g:+.2f} %" for n, g in gaps)
+            "- **Gap to dp against training length** (M = 4, at equal tokens): "
+            + "; ".join(
+                f"{n} steps " + ", ".join(f"{a} {g:+.2f} %" for a, g in sorted(v.items()))
+                for n, v in sorted(by_len.items())
+            )
             + "."
         )
     gp = [s for s in q.doc["summary"] if s["group"] == "gap" and not s["label"].startswith("dp (")]
