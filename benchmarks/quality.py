@@ -13,9 +13,9 @@ fleet), a commit reaches the learners 0.5 s after it closes. The quorum/grace ab
 slows half the learners by 20 % and adds per-step jitter U(1, 1.3) (the `chaos` section's
 stragglers and jitter on the virtual clock).
 
-Usage:  python benchmarks/quality.py [--steps 160] [--workers 2] [--only GROUP,...] [--tiny] [--out PATH]
+Usage:  python benchmarks/quality.py [--steps 160] [--workers 2] [--only GROUP[/LABEL-PREFIX],...] [--tiny] [--out PATH]
 Writes  benchmarks/results/quality.json (+ quality.png): every row with its config and config hash.
-        With --only, the rows of the other groups already in that file are kept (same --steps/--tiny).
+        With --only, the other rows already in that file are kept (same --steps/--tiny).
 """
 
 from __future__ import annotations
@@ -99,6 +99,14 @@ def rows(tiny: bool) -> list[dict]:
         add("horizon", f"dp (1 learner, 4x batch), {S} steps", 4, algorithm="dp", steps=S)
         add("horizon", f"diloco, {S} steps", 4, algorithm="diloco", steps=S)
         add("horizon", f"decoupled, {S} steps", 4, steps=S)
+        add(
+            "horizon",
+            f"former default (blend, unscaled rounds), {S} steps",
+            4,
+            "learner.receive=blend",
+            "merge.scale_by_share=false",
+            steps=S,
+        )
     # where the gap comes from: one learner with the same per-learner batch (what 4 learners must beat),
     # the spec's outer Nesterov (η 0.7, μ 0.9) instead of the presets' plain η 1, and a 4x larger
     # per-learner batch (dp's batch grows with it: equal tokens within the pair)
@@ -217,12 +225,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=160, help="inner steps per learner (equal tokens per M)")
     ap.add_argument("--workers", type=int, default=2, help="rows run in parallel processes")
-    ap.add_argument("--only", default="", help="comma-separated groups to run (default: all)")
+    ap.add_argument(
+        "--only", default="", help="comma-separated groups, or group/label-prefix for some rows, to run (default: all)"
+    )
     ap.add_argument("--tiny", action="store_true", help="the micro preset, few rows (for tests)")
     ap.add_argument("--out", default="benchmarks/results/quality.json")
     a = ap.parse_args(argv)
     steps = 16 if a.tiny and a.steps == 160 else a.steps
-    todo = [r for r in rows(a.tiny) if not a.only or r["group"] in a.only.split(",")]
+    sel = [x for x in a.only.split(",") if x]
+
+    def chosen(r: dict) -> bool:
+        return not sel or any(
+            x == r["group"] or (x.startswith(r["group"] + "/") and r["label"].startswith(x.split("/", 1)[1]))
+            for x in sel
+        )
+
+    def key(r: dict) -> tuple:
+        return (r["group"], r["label"], r["M"], r["seed"])
+
+    todo = [r for r in rows(a.tiny) if chosen(r)]
     t0 = time.time()
     results = []
     ctx = mp.get_context("spawn")
@@ -238,16 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     prior_s = 0.0
     commands = ["python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])]
-    if a.only and out.exists():  # a partial run replaces its groups' rows in the existing results
+    if a.only and out.exists():  # a partial run replaces its rows in the existing results
         old = json.loads(out.read_text())
         if old["tiny"] == a.tiny and old["steps"] == steps:
-            ran = {r["group"] for r in todo}
-            results += [r for r in old["results"] if r["group"] not in ran]
+            ran = {key(r) for r in todo}
+            results += [r for r in old["results"] if key(r) not in ran]
             commands = old.get("commands", [old.get("command")]) + commands
             prior_s = old["wall_s"]
-            todo = [r for r in rows(a.tiny) if r["group"] in {x["group"] for x in results}]
-    order = {(r["group"], r["label"], r["M"], r["seed"]): i for i, r in enumerate(todo)}
-    results.sort(key=lambda r: order[(r["group"], r["label"], r["M"], r["seed"])])
+            todo = [r for r in rows(a.tiny) if key(r) in {key(x) for x in results}]
+    order = {key(r): i for i, r in enumerate(todo)}
+    results.sort(key=lambda r: order[key(r)])
     summary = summarize(results)
     print(f"\n{'group':12s} {'row':34s} {'M':>3s} {'loss':>8s} {'±':>7s} seeds")
     for s in summary:

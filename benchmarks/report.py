@@ -177,6 +177,18 @@ def quality_findings(q: Quality) -> list[str]:
             + ", ".join(f"{lab} {s['mean']:.4f}" for lab, s in rv.items())
             + f". Lowest loss: {best}."
         )
+    sc = [
+        (M, mode, q.get("receive", mode, M), q.get("receive", f"{mode}, unscaled rounds", M))
+        for M in (4, 8)
+        for mode in ("rebase", "blend")
+    ]
+    sc = [(M, mode, a, b) for M, mode, a, b in sc if a and b]
+    if sc:
+        lines.append(
+            "- **Partial rounds scaled by their share** (`merge.scale_by_share`; scaled vs unscaled): "
+            + ", ".join(f"{mode} M = {M}: {a['mean']:.4f} vs {b['mean']:.4f}" for M, mode, a, b in sc)
+            + "."
+        )
     de, dp, dl = q.default(4), q.dp(4), q.get("main", "diloco", 4)
     hz = [s for s in q.doc["summary"] if s["group"] == "horizon" and not s["label"].startswith("dp")]
     if hz and de and dp:
@@ -185,7 +197,7 @@ def quality_findings(q: Quality) -> list[str]:
             by_len[q.steps_of(dl)]["diloco"] = pct(dl["mean"], dp["mean"])
         for s in hz:
             if q.dp_for(s):
-                by_len.setdefault(q.steps_of(s), {})[s["label"].split(",")[0]] = pct(s["mean"], q.dp_for(s)["mean"])
+                by_len.setdefault(q.steps_of(s), {})[s["label"].rsplit(",", 1)[0]] = pct(s["mean"], q.dp_for(s)["mean"])
         lines.append(
             "- **Gap to dp against training length** (M = 4, at equal tokens): "
             + "; ".join(
@@ -333,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             f"the Ray actors wrap, on a virtual clock), {d['steps']} inner steps per learner, the same corpus split "
             f"and validation set. Model: d_model {model['d_model']}, {model['n_layers']} layers"
             f"{' (tiny test mode)' if d['tiny'] else ''}. The dp reference is one learner with an M× batch "
-            "(synchronous data parallel computes the same update up to summation order). Loss is validation "
+            "(synchronous data parallel computes the same update up to summation order); it reads the training "
+            "windows as one shard, M learners read M disjoint shards of the same windows. Loss is validation "
             "cross-entropy in nats per token; ± is half the spread (max − min) over seeds; 'vs' columns are "
             "relative loss differences. Hash: the first 12 hex digits of the SHA-256 of the row's full config.",
             "",

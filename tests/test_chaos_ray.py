@@ -78,14 +78,17 @@ def test_seeded_schedule_is_carried_out_logged_and_k1_keeps_advancing(ray_cluste
     h.stop()
     assert summary is not None
     events = h.metrics()
-    faults = [e for e in events if e["event"] == "fault"]
+    # faults the schedule places before 26 s (a run starved of CPU may overrun its 28 s budget and
+    # carry out later ones too)
+    logged = [e for e in events if e["event"] == "fault"]
+    faults = [e for e in logged if e["at"] < 26]
     # every scheduled fault is logged, in order, at its time (to within the injector's latency: the
     # driver shares 2 cores with 3 learners, the store and the syncer; 2.3 s late was seen in CI)
     assert [(f["target"], f["kind"], f["at"]) for f in faults] == [(f.target, f.kind, f.at) for f in expected]
     for f in faults:
         assert f["t"] == pytest.approx(f["at"], abs=3.0)
-    carried = [f for f in faults if not f.get("skipped")]
-    assert summary["faults"] == len(carried) and summary["faults_skipped"] == len(faults) - len(carried)
+    carried = [f for f in logged if not f.get("skipped")]
+    assert summary["faults"] == len(carried) and summary["faults_skipped"] == len(logged) - len(carried)
     downs = metrics.downtimes(events)
     assert len(downs) == len(carried)
     assert all(d["downtime_s"] is None or d["downtime_s"] > 0.5 for d in downs)
