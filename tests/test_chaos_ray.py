@@ -98,9 +98,10 @@ def test_seeded_schedule_is_carried_out_logged_and_k1_keeps_advancing(ray_cluste
     end = max(e["time"] for e in events)
     commits = metrics.commit_times(events)
     assert metrics.uptime(commits, first, end, stall_threshold=5.0, fragments=cfg.fragments.count) == 1.0
-    # and inside each down window long enough to hold several rounds of the live learners
+    # and inside each down window long enough to hold several rounds of the live learners (once the
+    # run is merging at all: on a starved machine a kill can land while the others still compile)
     for d in downs:
-        if d["back"] is not None and d["back"] - d["killed"] >= 3.0:
+        if d["back"] is not None and d["back"] - d["killed"] >= 3.0 and d["killed"] > first:
             assert [e for e in events if e["event"] == "merge" and d["killed"] < e["time"] < d["back"]], d
     assert 0 < summary["goodput"] < 1
     lt = summary["learner_time"]
