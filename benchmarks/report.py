@@ -73,6 +73,23 @@ class Quality:
     def runs_of(self, s: dict) -> list[dict]:
         return [r for r in self.runs if (r["group"], r["label"], r["M"]) == (s["group"], s["label"], s["M"])]
 
+    def at_seeds_of(self, ref: dict | None, s: dict) -> dict | None:
+        """ref over only the seeds s ran with: an ablation run at seed 0 is compared with the seed-0 run
+        of a reference repeated over 3 seeds, not with the 3-seed mean (the seeds differ by more than
+        most ablations do)."""
+        if ref is None:
+            return None
+        seeds = {r["seed"] for r in self.runs_of(s)}
+        losses = [r["eval_loss"] for r in self.runs_of(ref) if r["seed"] in seeds]
+        if not losses or len(losses) == ref["seeds"]:
+            return ref
+        return ref | {
+            "losses": losses,
+            "mean": sum(losses) / len(losses),
+            "spread": max(losses) - min(losses),
+            "seeds": len(losses),
+        }
+
 
 def fmt_loss(s: dict) -> str:
     return f"{s['mean']:.4f} ± {s['spread'] / 2:.4f}" if s["seeds"] > 1 else f"{s['mean']:.4f}"
@@ -100,12 +117,14 @@ def quality_tables(q: Quality) -> list[str]:
         ]
         out += ["|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for s in items:
-            dp, de = q.dp_for(s), q.default(s["M"])
+            dp, de = q.at_seeds_of(q.dp_for(s), s), q.at_seeds_of(q.default(s["M"]), s)
             runs = q.runs_of(s)
             r0 = runs[0]
             vs_dp = f"{pct(s['mean'], dp['mean']):+.2f} %" if dp else "-"
             vs_de = (
-                f"{pct(s['mean'], de['mean']):+.2f} %" if de and de is not s and g not in ("horizon", "gap") else "-"
+                f"{pct(s['mean'], de['mean']):+.2f} %"
+                if de and g not in ("horizon", "gap") and (g, s["label"]) != ("main", "decoupled")
+                else "-"
             )
             merges = "/".join(str(r["merges"]) for r in runs)
             out.append(
@@ -128,8 +147,12 @@ def quality_findings(q: Quality) -> list[str]:
         for lab in ("diloco", "streaming", "decoupled"):
             s = q.get("main", lab, M)
             if s:
-                parts.append(f"{lab} {pct(s['mean'], dp['mean']):+.2f} %")
-        seeds = f" (dp and decoupled: mean of {dp['seeds']} seeds)" if dp["seeds"] > 1 else ""
+                parts.append(f"{lab} {pct(s['mean'], q.at_seeds_of(dp, s)['mean']):+.2f} %")
+        seeds = (
+            f" (dp and decoupled: mean of {dp['seeds']} seeds; diloco and streaming against dp's seed-0 run)"
+            if dp["seeds"] > 1
+            else ""
+        )
         lines.append(f"- **Gap to dp at equal tokens, M = {M}** (dp loss {dp['mean']:.4f}{seeds}): {', '.join(parts)}.")
         de = q.get("main", "decoupled", M)
         if de:
@@ -138,7 +161,7 @@ def quality_findings(q: Quality) -> list[str]:
     gaps = []
     for M in (4, 8, 16):
         mean = q.get("merge", "mean", M)
-        rda = q.default(M) if M in (4, 8) else q.get("merge", "rda", M)
+        rda = q.at_seeds_of(q.default(M), mean) if M in (4, 8) and mean else q.get("merge", "rda", M)
         if mean and rda:
             gaps.append((M, mean["mean"] - rda["mean"]))
     if gaps:
@@ -150,7 +173,7 @@ def quality_findings(q: Quality) -> list[str]:
             + f". RDA ≥ mean at every M: {'yes' if ge else 'no'}; gap growing with M: {'yes' if grows else 'no'}."
         )
     c = {d: q.get("compression", d, 4) for d in ("fp32", "bf16", "int8", "int2")}
-    c["int4"] = q.default(4)
+    c["int4"] = q.at_seeds_of(q.default(4), c["bf16"]) if c["bf16"] else None
     if all(c.values()):
         i4_bf = pct(c["int4"]["mean"], c["bf16"]["mean"])
         i2_i4 = pct(c["int2"]["mean"], c["int4"]["mean"])
@@ -189,12 +212,36 @@ def quality_findings(q: Quality) -> list[str]:
             + ", ".join(f"{mode} M = {M}: {a['mean']:.4f} vs {b['mean']:.4f}" for M, mode, a, b in sc)
             + "."
         )
+    lens = [
+        (
+            S,
+            q.get("horizon", f"decoupled, {S} steps", 4),
+            q.get("horizon", f"former default (blend, unscaled rounds), {S} steps", 4),
+            q.get("horizon", f"diloco, {S} steps", 4),
+        )
+        for S in (480, 1000)
+    ]
+    lens = [x for x in lens if all(x[1:])]
+    bu, rb = q.get("receive", "blend, unscaled rounds", 4), q.get("receive", "rebase", 4)
+    if lens and bu and rb:
+        lines.append(
+            "- **Why the default is `rebase` with share-scaled rounds** (chosen on the longer runs, not on the "
+            f"160-step rows): at 160 steps blend with unscaled rounds is lower ({bu['mean']:.4f} vs "
+            f"{rb['mean']:.4f}, M = 4), but it falls behind as training goes on: "
+            + "; ".join(
+                f"{S} steps {fd['mean']:.4f} vs {de['mean']:.4f}, where the default is "
+                f"{pct(de['mean'], dl['mean']):+.2f} % from synchronous diloco ({dl['mean']:.4f})"
+                for S, de, fd, dl in lens
+            )
+            + ". Rebase keeps each learner's own progress since the fragment it last received and takes the "
+            "merged fragment under it; overwrite throws that progress away (worst at M = 8)."
+        )
     de, dp, dl = q.default(4), q.dp(4), q.get("main", "diloco", 4)
     hz = [s for s in q.doc["summary"] if s["group"] == "horizon" and not s["label"].startswith("dp")]
     if hz and de and dp:
         by_len: dict[int, dict[str, float]] = {q.steps_of(de): {"decoupled": pct(de["mean"], dp["mean"])}}
         if dl:
-            by_len[q.steps_of(dl)]["diloco"] = pct(dl["mean"], dp["mean"])
+            by_len[q.steps_of(dl)]["diloco"] = pct(dl["mean"], q.at_seeds_of(dp, dl)["mean"])
         for s in hz:
             if q.dp_for(s):
                 by_len.setdefault(q.steps_of(s), {})[s["label"].rsplit(",", 1)[0]] = pct(s["mean"], q.dp_for(s)["mean"])
@@ -220,9 +267,21 @@ def quality_findings(q: Quality) -> list[str]:
         lines.append(
             "- **Fragments**: "
             + ", ".join(f"{s['label']} {s['mean']:.4f}" for s in fr)
-            + f", P = 4 (default) {q.default(4)['mean']:.4f}."
+            + f", P = 4 (default) {q.at_seeds_of(q.default(4), fr[0])['mean']:.4f}."
         )
     return lines
+
+
+def measured_wire(r: dict) -> dict:
+    """A quality run's wire bytes against fp32 dp (8 bytes per parameter per learner step), and why
+    they exceed the closed form: each fragment's commits per period, a learner's down over its up."""
+    n, steps, M = r["params"], r["steps"], r["M"]
+    H, P = r["config"]["sync"]["every"], r["config"]["fragments"]["count"]
+    return {
+        "ratio": 8 * n * steps * M / (r["bytes_up"] + r["bytes_down_per_learner"] * M),
+        "commits_per_period": r["merges"] / (P * steps / H),
+        "down_over_up": r["bytes_down_per_learner"] / (r["bytes_up"] / M),
+    }
 
 
 def int4_both_ways(bw: dict, H: int) -> dict | None:
@@ -262,28 +321,33 @@ def bandwidth_section(bw: dict, q: Quality | None) -> list[str]:
             out += [
                 "### The trade-off: H against quality (int4 both ways, M = 4, quality.py's model)",
                 "",
-                "| H | eval loss | vs dp | × less than fp32 dp (bandwidth.py) | × less, measured in this run |",
-                "|---:|---:|---:|---:|---:|",
+                "| H | eval loss | vs dp | × less than fp32 dp (bandwidth.py) | × less, measured in this run "
+                "| commits per fragment per period | a learner's down / its up |",
+                "|---:|---:|---:|---:|---:|---:|---:|",
             ]
-            dp = q.dp(4)
             for s in rows:
+                dp = q.at_seeds_of(q.dp(4), s)
                 r = q.runs_of(s)[0]
                 H = r["config"]["sync"]["every"]
                 bwr = int4_both_ways(bw, H)
-                n = r["params"]
-                steps, M = r["steps"], r["M"]
-                measured = 8 * n * steps * M / (r["bytes_up"] + r["bytes_down_per_learner"] * M)
+                m = measured_wire(r)
+                tail = f"{m['ratio']:.1f} | {m['commits_per_period']:.1f} | {m['down_over_up']:.1f} |"
                 out.append(
-                    f"| {H} | {s['mean']:.4f} | {pct(s['mean'], dp['mean']):+.2f} % | "
-                    f"{bwr['ratio_to_dp']:.1f} | {measured:.1f} |"
+                    f"| {H} | {s['mean']:.4f} | {pct(s['mean'], dp['mean']):+.2f} % | {bwr['ratio_to_dp']:.1f} | "
+                    + tail
                     if bwr and dp
-                    else f"| {H} | {s['mean']:.4f} | - | - | {measured:.1f} |"
+                    else f"| {H} | {s['mean']:.4f} | - | - | " + tail
                 )
             out += [
                 "",
                 "The measured column counts the bytes the run's merge events record (every push received, "
-                "every publish sent to each learner) against 8 bytes per parameter per learner step; a run's "
-                "last partial interval and the first full fetch make it differ slightly from the closed form.",
+                "every publish sent to each learner) against 8 bytes per parameter per learner step. It falls "
+                "short of the closed form because the closed form (ALGORITHM.md §7) counts one commit per "
+                "fragment per period: with K = 1 and learners out of phase most rounds hold one push, so a "
+                "fragment is committed about M times per period and every commit's delta goes to every "
+                "learner, and a learner receives about M times what it sends. Up-traffic matches the closed "
+                "form. Coalescing the publishes a learner has not yet installed into one delta would close "
+                "the gap; it is not built.",
                 "",
             ]
     return out
@@ -314,8 +378,19 @@ def main(argv: list[str] | None = None) -> int:
         if best:
             lines.append(
                 f"- **Bandwidth**: decoupled with int4 both ways at H = 24 moves {best['ratio_to_dp']:.1f}× fewer "
-                f"bytes per token than fp32 ring all-reduce dp (`{bw['preset']}` preset; bound ≈ 186×, target ≥ 150×)."
+                f"bytes per token than fp32 ring all-reduce dp in the closed form (`{bw['preset']}` preset; "
+                "bound ≈ 186×, target ≥ 150×)"
             )
+            h24 = [r for r in q.runs if r["group"] == "bandwidth" and r["config"]["sync"]["every"] == 24] if q else []
+            if h24:
+                m = measured_wire(h24[0])
+                lines[-1] += (
+                    f"; measured in the M = 4 quality run, {m['ratio']:.1f}×: each fragment was committed "
+                    f"{m['commits_per_period']:.1f} times per period (K = 1), and every commit is published to "
+                    f"every learner, so a learner receives {m['down_over_up']:.1f}× what it sends."
+                )
+            else:
+                lines[-1] += "."
     if wan:
         kind = "≥ " if wan["speedup_train_kind"] == ">=" else ""
         su = wan["speedup_train"]
@@ -348,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             "(synchronous data parallel computes the same update up to summation order); it reads the training "
             "windows as one shard, M learners read M disjoint shards of the same windows. Loss is validation "
             "cross-entropy in nats per token; ± is half the spread (max − min) over seeds; 'vs' columns are "
-            "relative loss differences. Hash: the first 12 hex digits of the SHA-256 of the row's full config.",
+            "relative loss differences at the same seeds (a one-seed row against the seed-0 run of a reference "
+            "repeated over seeds). Hash: the first 12 hex digits of the SHA-256 of the row's full config.",
             "",
             "Commands: "
             + ", ".join(f"`{c.strip()}`" for c in d.get("commands", [d.get("command")]))
