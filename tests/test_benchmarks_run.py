@@ -34,7 +34,7 @@ def run_script(script: str, *args: str) -> None:
 
 def test_learner_overhead_quick_writes_positive_numbers(tmp_path):
     out = tmp_path / "x.json"
-    run_script("learner_overhead.py", "--quick", "--out", str(out))
+    run_script("learner_overhead.py", "--quick", "--reps", "1", "--steps", "40", "--out", str(out))
     d = json.loads(out.read_text())
     assert {"overhead", "rejoin", "config", "machine", "versions", "table"} <= set(d)
     ov, rj = d["overhead"], d["rejoin"]
