@@ -37,7 +37,6 @@ from dloco.learner import Delivery, LearnerCore
 from dloco.metrics import typical_cycle
 from dloco.policy import Ema
 
-
 class Learner:
     def __init__(self, cfg: dict, learner_id: int, store_name: str, syncer_name: str, namespace: str | None = None):
         self.cfg = from_dict(cfg)
@@ -48,7 +47,7 @@ class Learner:
         self.syncer = ray.get_actor(syncer_name, namespace=namespace)
         bp = build.blueprint(self.cfg)
         reg = ray.get(self.store.register.remote(learner_id))
-        versions, fragments = ray.get(self.store.fragments.remote(held=True))
+        versions, fragments = ray.get(self.store.fragments.remote(held=True, learner_id=learner_id))
         cursor = Cursor.from_dict(reg.cursor) if reg.cursor else None
         batch = build.learner_batch_size(self.cfg, learner_id)
         stream = build.stream(self.cfg, bp.corpus.load_split("train"), learner_id, cursor, batch)
@@ -188,7 +187,7 @@ class Learner:
         while True:
             if self._poll is None:
                 wait_s = max(0.0, deadline - time.monotonic()) if block else 0.0
-                self._poll = self.store.updates.remote(self._known(), wait_s)
+                self._poll = self.store.updates.remote(self._known(), wait_s, self.learner_id, self._pending())
             ready, _ = ray.wait([self._poll], timeout=None if block else 0)
             if not ready:
                 return
@@ -198,18 +197,18 @@ class Learner:
                 updates = []
                 time.sleep(0.05)
             self._poll = None
-            for p, version, ref, included, kind in updates:
+            for p, version, ref, included, kind, base in updates:
                 try:
                     obj = ray.get(ref[0])
                 except RayError:  # published object lost with a restarted store: fetch directly
-                    version, obj, included = ray.get(self.store.held.remote(p))
+                    version, obj, included = ray.get(self.store.held.remote(p, self.learner_id))
                     kind = "full"
                 mine = included.get(self.learner_id)
                 if kind == "delta":
-                    d, nbytes = Delivery(p, version, None, mine, delta=obj), sum(q.nbytes for q in obj.values())
+                    d = Delivery(p, version, None, mine, delta=obj, base_version=base)
                 else:
-                    d, nbytes = Delivery(p, version, obj, mine), sum(v.nbytes for v in obj.values())
-                self._arriving.append((time.monotonic() + self.latency, d, nbytes))
+                    d = Delivery(p, version, obj, mine)
+                self._arriving.append((time.monotonic() + self.latency, d, d.nbytes))
             self._hand_over()
             if updates or not block or time.monotonic() >= deadline:
                 return
@@ -222,13 +221,23 @@ class Learner:
             known[d.fragment_id] = max(known[d.fragment_id], d.version)
         return known
 
+    def _pending(self) -> list[int | None]:
+        """Per fragment: the step of this learner's push that no installed, queued or arriving
+        merge includes yet (None if none): what `learner.install: own` delivers on."""
+        pending = self.core.pending()
+        for d in [*self.core.inbox.values(), *(d for _, d, _ in self._arriving)]:
+            s = pending[d.fragment_id]
+            if s is not None and d.included_step is not None and d.included_step >= s:
+                pending[d.fragment_id] = None
+        return pending
+
     def _hand_over(self) -> None:
         """Gives the learner the merged fragments whose (emulated) transfer is over."""
         now = time.monotonic()
         while self._arriving and self._arriving[0][0] <= now:
             _, d, nbytes = self._arriving.popleft()
             if not self.core.receive(d):  # a delta on top of a version it missed: fetch Θ̂_p in full
-                version, values, included = ray.get(self.store.held.remote(d.fragment_id))
+                version, values, included = ray.get(self.store.held.remote(d.fragment_id, self.learner_id))
                 self.core.receive(Delivery(d.fragment_id, version, values, included.get(self.learner_id)))
                 nbytes += sum(v.nbytes for v in values.values())
             self.installs += 1

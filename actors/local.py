@@ -2,7 +2,8 @@
 
 Drives the same cores the Ray actors wrap (`LearnerCore`, `SyncerCore`, `StoreCore`) through the
 same sequence of calls: learners step and push, the syncer closes rounds when `ready` says so,
-merges, commits to the store, and the store's new fragments reach every learner. Learner m's
+merges, commits to the store, and the store's new fragments reach the learners `learner.install`
+names (`dloco.publish`: every learner, or those whose push the version merged). Learner m's
 step takes ``step_times[m]`` virtual seconds (default: its group's slowdown × batch size /
 `inner.batch_size`), times the `chaos` straggler factor and per-step jitter of the config (the
 same seeded draws as a Ray run, `dloco.chaos.step_factor`); a commit reaches learners
@@ -20,7 +21,7 @@ from typing import Any
 
 import jax
 
-from dloco import build, chaos, inner
+from dloco import build, chaos, inner, publish
 from dloco.config import RunConfig
 from dloco.data import Cursor
 from dloco.learner import Delivery, LearnerCore
@@ -39,6 +40,7 @@ class LocalRun:
     learners: list[LearnerCore]
     events: list[dict[str, Any]] = field(default_factory=list)
     now: float = 0.0
+    bytes_down: list[int] = field(default_factory=list)  # per learner: merged fragments received
 
     def global_params(self) -> dict:
         return self.blueprint.plan.join([self.store.fragment(p)[1] for p in range(self.blueprint.plan.count)])
@@ -102,7 +104,16 @@ def run_local(
         store.live_registry(),
         held=[store.held(p)[1] for p in range(bp.plan.count)],
     )
-    run = LocalRun(cfg, bp, store, syncer, learners)
+    run = LocalRun(cfg, bp, store, syncer, learners, bytes_down=[0] * M)
+    P = bp.plan.count
+    per_learner_delta = cfg.learner.install == "own" and cfg.compression.publish == "delta"
+    copies = publish.Copies(cfg.compression.publish_dtype, cfg.compression.block)
+    sent = [list(core.version) for core in learners]  # per learner: the newest version sent of each p
+    covered: list[list[int | None]] = [[None] * P for _ in range(M)]  # ... and the push step it merged
+    if per_learner_delta:
+        for m in range(M):
+            for p in range(P):
+                copies.set(m, p, *store.held(p))
     times = step_times or default_step_times(cfg)
     slow = chaos.stragglers(cfg.chaos, M)
 
@@ -117,10 +128,32 @@ def run_local(
     def deliver(m: int, d: Delivery) -> None:
         if not learners[m].receive(d):  # a delta on top of a version it missed: fetch Θ̂_p in full
             version, values = store.held(d.fragment_id)
-            learners[m].receive(Delivery(d.fragment_id, version, values, d.included_step))
+            full = Delivery(d.fragment_id, version, values, d.included_step)
+            learners[m].receive(full)
+            run.bytes_down[m] += full.nbytes
+            sent[m][d.fragment_id] = max(sent[m][d.fragment_id], version)
+            if per_learner_delta:
+                copies.set(m, d.fragment_id, version, values)
+
+    def send(m: int, p: int, version: int, included: int | None, commit, now: float) -> None:
+        """Queues fragment p at `version` for learner m, as its wire form (module docstring)."""
+        nonlocal seq
+        if per_learner_delta and copies.version(m, p) == sent[m][p]:
+            q = copies.delta(m, p, version, store.fragment(p)[1])
+            d = Delivery(p, version, None, included, delta=q, base_version=sent[m][p])
+        elif per_learner_delta or commit.delta is None:
+            _, values = store.held(p)
+            d = Delivery(p, version, values, included)
+            if per_learner_delta:
+                copies.set(m, p, version, values)
+        else:  # publish: delta to every learner: the syncer's q, valid on top of version − 1
+            d = Delivery(p, version, None, included, delta=commit.delta)
+        sent[m][p], covered[m][p] = version, included
+        run.bytes_down[m] += d.nbytes
+        heapq.heappush(deliveries, (now + sync_time, m, seq, d))
+        seq += 1
 
     def close_due(now: float) -> None:
-        nonlocal seq
         while True:
             due, _ = syncer.ready(now, live_learners=M)
             if not due:
@@ -137,12 +170,19 @@ def run_local(
                 syncer.committed(outcome, sync_time)
                 run.events.append({**outcome.event, "time": now})
                 included = {m: e["step"] for m, e in store.last_merged(p).items()}
-                c = outcome.commit
-                values = c.values if c.delta is None else None  # publish: delta sends only q
                 for m in range(M):
-                    d = Delivery(p, result.version, values, included.get(m), delta=c.delta)
-                    heapq.heappush(deliveries, (now + sync_time, m, seq, d))
-                    seq += 1
+                    pending = learners[m].pending()[p]
+                    if pending is not None and covered[m][p] is not None and covered[m][p] >= pending:
+                        pending = None  # a merge of it is already on its way
+                    if publish.due(
+                        cfg.learner.install,
+                        result.version,
+                        sent[m][p],
+                        pending,
+                        included.get(m),
+                        cfg.syncer.max_staleness,
+                    ):
+                        send(m, p, result.version, included.get(m), outcome.commit, now)
 
     while True:
         active = [t for m, t in enumerate(next_done) if t is not None and learners[m].step_count < steps]

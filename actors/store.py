@@ -9,6 +9,9 @@ snapshot plus the commit log. Published fragments are put into Ray's object stor
 so they outlive any learner or syncer; after a store restart they are put again on demand. With
 `compression.publish: delta` a commit is published as its quantized delta q ("delta"); a learner
 that missed a version, and every learner after a store restart, gets Θ̂_p in full ("full").
+With `learner.install: own` (`dloco.publish`) a learner is sent a fragment only when it is due
+for it (its own push merged, or too far behind), and with `publish: delta` as a delta encoded
+for that learner against the copy this actor knows it holds (put once per delivery).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import ray
 
-from dloco import build
+from dloco import build, publish
 from dloco.config import RunConfig, from_dict
 from dloco.store import Commit, CommitResult, Registration, StoreCore
 
@@ -37,6 +40,9 @@ class FragmentStore:
             self.cfg.store.keep,
         )
         self._published: dict[int, tuple[int, ray.ObjectRef, dict[int, int], str]] = {}
+        c = self.cfg.compression
+        self._per_learner = self.cfg.learner.install == "own" and c.publish == "delta"
+        self._copies = publish.Copies(c.publish_dtype, c.block)  # learner → what it holds (per-learner delta)
         self._committed: asyncio.Event | None = None  # set (and replaced) at every commit
         self._full: dict[int, tuple[int, ray.ObjectRef]] = {}  # p → (v, Θ̂_p), for learners behind a delta
         self._events: list[dict] = [
@@ -50,6 +56,7 @@ class FragmentStore:
 
     async def register(self, learner_id: int) -> Registration:
         reg = self.core.register(learner_id)
+        self._copies.forget(learner_id)
         kind = "learner_start" if reg.incarnation == 1 else "learner_restart"
         self._events.append(
             {
@@ -70,15 +77,22 @@ class FragmentStore:
     async def registry(self) -> dict[int, int]:
         return self.core.live_registry()
 
-    async def fragments(self, held: bool = False) -> tuple[list[int], list[dict]]:
+    async def fragments(self, held: bool = False, learner_id: int | None = None) -> tuple[list[int], list[dict]]:
         """All current fragments (versions, values): Θ_p for evaluation, or with `held` Θ̂_p, what a
-        (re)starting learner installs."""
+        (re)starting learner installs (`learner_id`: recorded as what it holds)."""
         get = self.core.held if held else self.core.fragment
-        return self.core.versions, [get(p)[1] for p in range(len(self.core.versions))]
+        frs = [get(p) for p in range(len(self.core.versions))]
+        if held and learner_id is not None and self._per_learner:
+            for p, (v, values) in enumerate(frs):
+                self._copies.set(learner_id, p, v, values)
+        return [v for v, _ in frs], [values for _, values in frs]
 
-    async def held(self, p: int) -> tuple[int, dict, dict[int, int]]:
+    async def held(self, p: int, learner_id: int | None = None) -> tuple[int, dict, dict[int, int]]:
         """(v_p, Θ̂_p, last merged step per learner): a learner's full fetch of one fragment."""
-        return (*self.core.held(p), self._merged_steps(p))
+        v, values = self.core.held(p)
+        if learner_id is not None and self._per_learner:
+            self._copies.set(learner_id, p, v, values)
+        return v, values, self._merged_steps(p)
 
     async def syncer_state(self) -> tuple[list[tuple[int, dict, list]], dict[int, int], list[dict]]:
         """What a (re)starting syncer needs: (v_p, Θ_p, s_p) per fragment, the registry, and Θ̂_p."""
@@ -105,17 +119,23 @@ class FragmentStore:
         return {m: e["step"] for m, e in self.core.last_merged(p).items()}
 
     async def updates(
-        self, known: list[int], wait_s: float = 0.0
-    ) -> list[tuple[int, int, list[ray.ObjectRef], dict[int, int], str]]:
-        """Fragments newer than `known` versions: (p, version, [ref], last merged step per learner, kind).
+        self,
+        known: list[int],
+        wait_s: float = 0.0,
+        learner_id: int | None = None,
+        pending: list[int | None] | None = None,
+    ) -> list[tuple[int, int, list[ray.ObjectRef], dict[int, int], str, int]]:
+        """Fragments newer than `known` versions that the learner is due for (`dloco.publish.due`,
+        from its `pending` push steps): (p, version, [ref], last merged step per learner, kind,
+        base version).
 
-        kind "full": the ref holds Θ̂_p; "delta": the quantized difference to version − 1, which
-        only a learner at exactly that version can apply (the others get the full Θ̂_p here).
-        With `wait_s` > 0 and nothing newer yet, waits up to that long for the next commit.
+        kind "full": the ref holds Θ̂_p; "delta": the quantized difference to the base version,
+        which only a learner at exactly that version can apply (the others get the full Θ̂_p).
+        With `wait_s` > 0 and nothing due yet, waits up to that long for the next commits.
         """
         deadline = time.monotonic() + wait_s
         while True:
-            out = self._newer(known)
+            out = self._newer(known, learner_id, pending)
             left = deadline - time.monotonic()
             if out or left <= 0:
                 return out
@@ -124,20 +144,35 @@ class FragmentStore:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._committed.wait(), left)
 
-    def _newer(self, known: list[int]) -> list[tuple[int, int, list[ray.ObjectRef], dict[int, int], str]]:
+    def _newer(
+        self, known: list[int], learner_id: int | None, pending: list[int | None] | None
+    ) -> list[tuple[int, int, list[ray.ObjectRef], dict[int, int], str, int]]:
         out = []
+        install = self.cfg.learner.install if learner_id is not None else "every"
         for p, v in enumerate(self.core.versions):
-            if v > known[p]:
-                pub = self._published.get(p)
-                if pub is None or pub[0] != v:  # restarted store: publish the restored fragment again
-                    pub = (v, ray.put(self.core.held(p)[1]), self._merged_steps(p), "full")
-                    self._published[p] = pub
-                if pub[3] == "delta" and known[p] != v - 1:  # too far behind for the delta
-                    full = self._full.get(p)
-                    if full is None or full[0] != v:  # put once per version, not once per poll
-                        full = self._full[p] = (v, ray.put(self.core.held(p)[1]))
-                    pub = (v, full[1], pub[2], "full")
-                out.append((p, pub[0], [pub[1]], pub[2], pub[3]))
+            merged = self._merged_steps(p)
+            mine, waiting = merged.get(learner_id), None if pending is None else pending[p]
+            if not publish.due(install, v, known[p], waiting, mine, self.cfg.syncer.max_staleness):
+                continue
+            if self._per_learner and learner_id is not None:
+                if self._copies.version(learner_id, p) == known[p]:
+                    q = self._copies.delta(learner_id, p, v, self.core.fragment(p)[1])
+                    out.append((p, v, [ray.put(q)], merged, "delta", known[p]))
+                else:  # no copy at the learner's version (restarted store): Θ̂_p in full, recorded
+                    _, values = self.core.held(p)
+                    self._copies.set(learner_id, p, v, values)
+                    out.append((p, v, [ray.put(values)], merged, "full", v))
+                continue
+            pub = self._published.get(p)
+            if pub is None or pub[0] != v:  # restarted store: publish the restored fragment again
+                pub = (v, ray.put(self.core.held(p)[1]), merged, "full")
+                self._published[p] = pub
+            if pub[3] == "delta" and known[p] != v - 1:  # too far behind for the delta
+                full = self._full.get(p)
+                if full is None or full[0] != v:  # put once per version, not once per poll
+                    full = self._full[p] = (v, ray.put(self.core.held(p)[1]))
+                pub = (v, full[1], pub[2], "full")
+            out.append((p, pub[0], [pub[1]], pub[2], pub[3], pub[0] - 1))
         return out
 
     async def summary(self) -> dict:

@@ -209,9 +209,11 @@ class MergeConfig:
 class CompressionConfig:
     """Wire formats: learner→syncer `dtype`, syncer→learner `publish` (ALGORITHM.md §7).
 
-    `publish: delta` sends each merged fragment as Θ_p − Θ̂_p quantized to `publish_dtype`
-    against the syncer's shadow Θ̂_p (what every up-to-date learner holds); `full` sends Θ_p in
-    float32. `int2` (ternary, 4 values per byte) is the aggressive variant for ablations.
+    `publish: delta` sends each merged fragment as a difference quantized to `publish_dtype`:
+    with `learner.install: own` against the copy the store knows the learner holds (one delta per
+    delivery, `dloco.publish`), with `every` against the syncer's shadow Θ̂_p (what every
+    up-to-date learner holds); `full` sends Θ_p in float32. `int2` (ternary, 4 values per byte)
+    is the aggressive variant for ablations.
     """
 
     dtype: str = "int4"
@@ -242,13 +244,19 @@ class LearnerConfig:
     Measured at M = 4 (eval loss): rebase 1.811 at 480 steps and 1.495 at 1000, against 2.079 and
     2.143 for the former default (blend without share scaling) and 1.738 and 1.487 for synchronous
     DiLoCo; at 160 steps the former default is lower (2.349 vs 2.419): too few syncs to tell.
+
+    `install` (`dloco.publish`): `every` sends each committed version of a fragment to every
+    learner; `own` sends it to a learner when it merges that learner's own push (once per sync
+    period), or when the learner has fallen `syncer.max_staleness` / 2 versions behind.
     """
 
     receive: str = "rebase"
     blend_alpha: float = 0.5
+    install: str = "own"
 
     def __post_init__(self) -> None:
         _choice("learner", self, "receive", ("overwrite", "blend", "rebase"))
+        _choice("learner", self, "install", ("every", "own"))
         _check(0 <= self.blend_alpha <= 1, "learner.blend_alpha", self.blend_alpha, "must be in [0, 1]")
 
 

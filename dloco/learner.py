@@ -54,13 +54,20 @@ class Delivery:
     ledger; None if none was), so a learner that skipped versions still knows what was merged.
 
     With `compression.publish: delta` a delivery may carry `delta` (tensor → payload q) instead of
-    `values`: Θ̂'_p = Θ̂_p + decode(q), valid only on top of version `version − 1` (§7)."""
+    `values`: Θ̂'_p = Θ̂_p + decode(q), valid only on top of version `base_version` (default
+    `version − 1`; a per-learner delta, `dloco.publish.Copies`, may span several versions)."""
 
     fragment_id: int
     version: int
     values: Mapping[str, np.ndarray] | None
     included_step: int | None = None
     delta: Mapping[str, compress.Payload] | None = None
+    base_version: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: the payloads of a delta, else the float32 values."""
+        return sum(x.nbytes for x in (self.delta or self.values).values())
 
 
 @dataclass
@@ -221,7 +228,7 @@ class LearnerCore:
             return True
         if d.delta is not None:
             base_version, base = (old.version, old.values) if old is not None else (self.version[p], self.anchor[p])
-            if d.version != base_version + 1:
+            if base_version != (d.version - 1 if d.base_version is None else d.base_version):
                 return False
             values = {n: base[n] + compress.decode(q) for n, q in d.delta.items()}
             d = Delivery(p, d.version, values, d.included_step)
@@ -229,6 +236,10 @@ class LearnerCore:
             d = Delivery(p, d.version, d.values, old.included_step)
         self.inbox[p] = d
         return True
+
+    def pending(self) -> list[int | None]:
+        """Per fragment: the step of its last push not yet installed by a merge, or None."""
+        return [None if r is None else r.step for r in self.last_push]
 
     def apply_inbox(self) -> list[int]:
         """Installs queued merges (blocking mode: only once step ≥ push step + τ); returns their ids."""

@@ -10,7 +10,7 @@ from dloco import compress, config
 from dloco.learner import Delivery
 from dloco.store import StoreCore
 
-DELTA = ("compression.publish=delta", "compression.publish_dtype=int4")
+DELTA = ("compression.publish=delta", "compression.publish_dtype=int4", "learner.install=every")
 
 
 @pytest.fixture(scope="module")

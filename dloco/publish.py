@@ -1,0 +1,89 @@
+"""Which merged fragments a learner is sent, and in what form (ALGORITHM.md §4, §7).
+
+`learner.install` decides when learner m is sent fragment p:
+
+- ``every``: each committed version goes to every learner (§4's loop as written). Under K = 1
+  the rounds of one sync period are many (up to M per fragment), so a learner receives up to M
+  merged fragments for each push it sends.
+- ``own``: m is sent fragment p when a committed version merges m's own pending push of p
+  (`due`), which happens once per sync period; the versions in between are not sent, the next
+  delivery carries them. So that its next push stays within `syncer.max_staleness`, m is also
+  sent p once it has fallen half that many versions behind (a lost or rejected push, none
+  pending, or many learners).
+
+With `compression.publish: delta` and ``own``, a learner that skipped versions cannot apply the
+syncer's delta (it is valid on top of version v − 1 only), and Θ̂_p in full costs 4 bytes per
+value. `Copies` therefore keeps, per learner and fragment, the float32 copy C_mp the learner
+holds and sends q = encode(Θ̂_p − C_mp, `publish_dtype`), C_mp ← C_mp + decode(q): error
+feedback per learner, the same decode on both sides, so C_mp is what m holds bit for bit and
+stays within one quantization step of Θ̂_p. The copies are soft state (M copies of the model in
+the store's memory): lost with a store restart, after which a learner is sent Θ̂_p in full once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from dloco import compress
+
+INSTALL_MODES = ("every", "own")
+
+
+def due(install: str, version: int, known: int, pending: int | None, merged: int | None, max_staleness: int) -> bool:
+    """Whether a learner that holds version `known` of a fragment is sent `version` of it.
+
+    Args:
+      install: `learner.install`.
+      version: the fragment's newest committed version.
+      known: the newest version the learner has of it (installed, queued or in transit).
+      pending: the step of the learner's last push of the fragment not yet installed, or None.
+      merged: the step of its last push that the fragment's ledger records as merged, or None.
+      max_staleness: `syncer.max_staleness`.
+    """
+    if version <= known:
+        return False
+    if install == "every":
+        return True
+    if pending is not None and merged is not None and merged >= pending:
+        return True
+    return version - known >= max(1, -(-max_staleness // 2))
+
+
+class Copies:
+    """What each learner holds of each fragment, for per-learner delta publishing (module docstring)."""
+
+    def __init__(self, dtype: str, block: int) -> None:
+        self.dtype, self.block = dtype, block
+        self._held: dict[tuple[int, int], tuple[int, dict[str, np.ndarray]]] = {}
+
+    def set(self, learner: int, p: int, version: int, values: Mapping[str, np.ndarray]) -> None:
+        """The learner was sent `values` of fragment p in full (at registration or a full fetch)."""
+        self._held[learner, p] = (version, {n: np.array(v, np.float32) for n, v in values.items()})
+
+    def forget(self, learner: int) -> None:
+        """A restarted learner: what its earlier incarnation held is gone."""
+        for k in [k for k in self._held if k[0] == learner]:
+            del self._held[k]
+
+    def version(self, learner: int, p: int) -> int | None:
+        held = self._held.get((learner, p))
+        return None if held is None else held[0]
+
+    def delta(
+        self, learner: int, p: int, version: int, target: Mapping[str, np.ndarray]
+    ) -> dict[str, compress.Payload]:
+        """q = encode(target − C_mp) for the learner's copy, and C_mp ← C_mp + decode(q) at `version`.
+
+        The caller checks first that the copy is at the version the learner holds (`version()`).
+        """
+        base_version, held = self._held[learner, p]
+        if version <= base_version:
+            raise ValueError(f"learner {learner} already holds version {base_version} of fragment {p}, not < {version}")
+        q, new = {}, {}
+        for n, x in target.items():
+            q[n] = compress.encode(np.asarray(x, np.float32) - held[n], self.dtype, self.block)
+            new[n] = held[n] + compress.decode(q[n])
+        self._held[learner, p] = (version, new)
+        return q
