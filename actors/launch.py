@@ -38,8 +38,12 @@ from dloco.config import RunConfig
 from dloco.tensorboard import TensorBoardSink
 
 
-def _worker_env(cfg: RunConfig, accelerator: bool) -> dict[str, str]:
-    """Environment of an actor's worker process; `accelerator` False pins JAX to the CPU."""
+def _worker_env(cfg: RunConfig, accelerator: bool, shared_gpu: bool = False) -> dict[str, str]:
+    """Environment of an actor's worker process; `accelerator` False pins JAX to the CPU.
+
+    `shared_gpu` (a fractional ``num_gpus``): JAX allocates as it goes instead of taking 75 % of
+    the device at start, so that the processes sharing the GPU fit beside each other.
+    """
     n = cfg.learners.xla_threads
     env = {
         # XLA's CPU client has no thread-count flag; single-threaded Eigen is the one switch it reads.
@@ -52,6 +56,8 @@ def _worker_env(cfg: RunConfig, accelerator: bool) -> dict[str, str]:
     }
     if not accelerator:
         env["JAX_PLATFORMS"] = "cpu"
+    elif shared_gpu:
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     return env
 
 
@@ -178,7 +184,11 @@ class RunHandle:
                 num_gpus=g.num_gpus,
                 resources=dict(g.resources) or None,
                 # a GPU or TPU learner lets JAX find its accelerator; others stay on the CPU
-                runtime_env={"env_vars": _worker_env(self.cfg, accelerator=g.num_gpus > 0 or "TPU" in g.resources)},
+                runtime_env={
+                    "env_vars": _worker_env(
+                        self.cfg, accelerator=g.num_gpus > 0 or "TPU" in g.resources, shared_gpu=0 < g.num_gpus < 1
+                    )
+                },
             )
             .remote(self.cfg_dict, m, "store", "syncer", self.namespace)
         )

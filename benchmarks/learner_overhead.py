@@ -57,7 +57,10 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--gpu" in sys.argv:  # JAX finds the GPU; the driver and both learners share it
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+else:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -108,13 +111,12 @@ class BareLearner:
     kind = "bare"
 
     def __init__(self, cfg) -> None:
-        from actors.launch import _worker_env
-
         self._err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close()
         spec = json.dumps({"cfg": cfg.to_dict()})
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--bare-worker", spec],
-            env={**os.environ, **_worker_env(cfg, accelerator=False)},
+            [sys.executable, os.path.abspath(__file__), "--bare-worker", spec]
+            + (["--gpu"] if cfg.learners.expand()[0].num_gpus > 0 else []),
+            env={**os.environ, **_learner_env(cfg)},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._err,
@@ -173,14 +175,13 @@ class ActorLearner:
 
         import ray
 
-        from actors.launch import _worker_env
         from actors.learner import Learner
         from actors.store import FragmentStore
 
         self.ray = ray
         ns = f"overhead-{uuid.uuid4().hex[:8]}"
         cfg_dict = cfg.to_dict()
-        env = {"env_vars": _worker_env(cfg, accelerator=False)}
+        env = {"env_vars": _learner_env(cfg)}
         self.run_dir = tempfile.mkdtemp(prefix="dloco-overhead-")
         opts = {"namespace": ns, "num_cpus": 0, "runtime_env": env}
         self.store = ray.remote(FragmentStore).options(name="store", **opts).remote(cfg_dict, self.run_dir)
@@ -196,6 +197,7 @@ class ActorLearner:
                 max_task_retries=-1,
                 max_concurrency=4,
                 num_cpus=g.num_cpus,
+                num_gpus=g.num_gpus,
                 runtime_env=env,
             )
             .remote(cfg_dict, 0, "store", "syncer", ns)
@@ -213,6 +215,14 @@ class ActorLearner:
         for a in (self.learner, self.syncer, self.store):
             self.ray.kill(a, no_restart=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _learner_env(cfg) -> dict[str, str]:
+    """The environment `actors.launch` gives a learner of this config (GPU with --gpu)."""
+    from actors.launch import _worker_env
+
+    g = cfg.learners.expand()[0]
+    return _worker_env(cfg, accelerator=g.num_gpus > 0, shared_gpu=0 < g.num_gpus < 1)
 
 
 def _find_pid(title: str) -> int | None:
@@ -420,6 +430,11 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, help="timed steps per turn (bare and actor take turns)")
     ap.add_argument("--reps", type=int, help="repetitions of (bare, actor)")
     ap.add_argument("--rejoins", type=int, help="learner kills in the rejoin run")
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="learners on the GPU (bare and actor share it: each learner num_gpus=0.5, JAX allocating as it goes)",
+    )
     ap.add_argument("--out", default="benchmarks/results/learner_overhead.json")
     ap.add_argument("--bare-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -438,6 +453,7 @@ def main() -> None:
     preset = args.preset or preset
     steps, warmup, chunk = args.steps or steps, args.warmup or warmup, args.chunk or chunk
     reps, n_rejoins = args.reps or reps, args.rejoins or n_rejoins
+    gpu = ("learners.num_gpus=0.5",) if args.gpu else ()
     overhead_cfg = config.load(
         overrides=(
             f"preset={preset}",
@@ -446,6 +462,7 @@ def main() -> None:
             "learners.count=1",
             "budget.tokens=0",
             "budget.seconds=3600",
+            *gpu,
         )
     )
     rejoin_cfg = config.load(
@@ -456,6 +473,7 @@ def main() -> None:
             "budget.tokens=0",
             "budget.seconds=3600",
             "metrics.eval_every_s=1000",
+            *gpu,
         )
     )
     t0 = time.time()
@@ -508,6 +526,8 @@ def main() -> None:
                     "python": platform.python_version(),
                 },
                 "versions": {"jax": jax.__version__, "ray": ray.__version__},
+                "device": "gpu" if args.gpu else "cpu",
+                "gpus": [d.device_kind for d in jax.devices()] if args.gpu else [],
                 "wall_s": wall,
             },
             indent=2,
