@@ -13,7 +13,9 @@ fleet), a commit reaches the learners 0.5 s after it closes. The quorum/grace ab
 slows half the learners by 20 % and adds per-step jitter U(1, 1.3) (the `chaos` section's
 stragglers and jitter on the virtual clock).
 
-Usage:  python benchmarks/quality.py [--steps 160] [--workers 2] [--only GROUP[/LABEL-PREFIX],...] [--tiny] [--out PATH]
+Usage:  python benchmarks/quality.py [--steps 160] [--workers 2] [--only GROUP[/LABEL-PREFIX],...] [--seeds 0,...]
+                                    [--tiny] [--out PATH]
+        JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/quality.py ...: rows on a GPU
 Writes  benchmarks/results/quality.json (+ quality.png): every row with its config and config hash.
         With --only, the other rows already in that file are kept (same --steps/--tiny).
 """
@@ -89,22 +91,29 @@ def rows(tiny: bool) -> list[dict]:
             add("receive", mode, M, f"learner.receive={mode}")
         for mode in ("blend", "rebase"):
             add("receive", f"{mode}, unscaled rounds", M, f"learner.receive={mode}", "merge.scale_by_share=false")
+    # when a learner is sent a merged fragment: each committed version (every) or once its own push
+    # is merged (own, the default); each against the default rows of the main table
+    for M in (4, 8):
+        add("install", "every", M, "learner.install=every")
     add("fragments", "P=1", 4, "fragments.count=1")
     # one tensor per fragment: the tiny model has 14 tensors; H must be a multiple of P and τ < H/P
     add("fragments", "P=14 (all tensors), H=28, τ=1", 4, "fragments.count=14", "sync.every=28", "sync.overlap=1")
     for H in (24, 48, 96):
         add("bandwidth", f"H={H}, int4 both ways", 4, "compression.publish=delta", f"sync.every={H}")
+    add("bandwidth", "H=24, int4 both ways, install every", 4, "compression.publish=delta", "learner.install=every")
     # the gap to dp against training length (each row its own step count, equal tokens within a pair)
     for S in (480, 1000):
         add("horizon", f"dp (1 learner, 4x batch), {S} steps", 4, algorithm="dp", steps=S)
         add("horizon", f"diloco, {S} steps", 4, algorithm="diloco", steps=S)
         add("horizon", f"decoupled, {S} steps", 4, steps=S)
+        add("horizon", f"blend (scaled rounds), {S} steps", 4, "learner.receive=blend", steps=S)
         add(
             "horizon",
             f"former default (blend, unscaled rounds), {S} steps",
             4,
             "learner.receive=blend",
             "merge.scale_by_share=false",
+            "learner.install=every",
             steps=S,
         )
     # where the gap comes from: one learner with the same per-learner batch (what 4 learners must beat),
@@ -178,7 +187,7 @@ def run_row(args: tuple[dict, int, bool]) -> dict:
         "merges": len(merges),
         "rejections": sum(e["event"] == "rejection" for e in run.events),
         "bytes_up": sum(e["bytes_in"] for e in merges),
-        "bytes_down_per_learner": sum(e["bytes_out"] for e in merges),
+        "bytes_down_per_learner": sum(run.bytes_down) / M,
         "virtual_s": run.now,
         "wall_s": time.perf_counter() - t0,
     }
@@ -228,13 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only", default="", help="comma-separated groups, or group/label-prefix for some rows, to run (default: all)"
     )
+    ap.add_argument("--seeds", default="", help="comma-separated seeds to run (default: every row's)")
     ap.add_argument("--tiny", action="store_true", help="the micro preset, few rows (for tests)")
     ap.add_argument("--out", default="benchmarks/results/quality.json")
     a = ap.parse_args(argv)
     steps = 16 if a.tiny and a.steps == 160 else a.steps
     sel = [x for x in a.only.split(",") if x]
 
+    seeds = {int(x) for x in a.seeds.split(",") if x}
+
     def chosen(r: dict) -> bool:
+        if seeds and r["seed"] not in seeds:
+            return False
         return not sel or any(
             x == r["group"] or (x.startswith(r["group"] + "/") and r["label"].startswith(x.split("/", 1)[1]))
             for x in sel
