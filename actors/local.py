@@ -109,7 +109,6 @@ def run_local(
     per_learner_delta = cfg.learner.install == "own" and cfg.compression.publish == "delta"
     copies = publish.Copies(cfg.compression.publish_dtype, cfg.compression.block)
     sent = [list(core.version) for core in learners]  # per learner: the newest version sent of each p
-    covered: list[list[int | None]] = [[None] * P for _ in range(M)]  # ... and the push step it merged
     if per_learner_delta:
         for m in range(M):
             for p in range(P):
@@ -138,17 +137,17 @@ def run_local(
     def send(m: int, p: int, version: int, included: int | None, commit, now: float) -> None:
         """Queues fragment p at `version` for learner m, as its wire form (module docstring)."""
         nonlocal seq
-        if per_learner_delta and copies.version(m, p) == sent[m][p]:
-            q = copies.delta(m, p, version, store.fragment(p)[1])
-            d = Delivery(p, version, None, included, delta=q, base_version=sent[m][p])
-        elif per_learner_delta or commit.delta is None:
-            _, values = store.held(p)
-            d = Delivery(p, version, values, included)
-            if per_learner_delta:
-                copies.set(m, p, version, values)
+        if per_learner_delta:
+            kind, obj, base = copies.prepare(m, p, version, sent[m][p], store.fragment(p)[1], store.held(p)[1])
+            if kind == "delta":
+                d = Delivery(p, version, None, included, delta=obj, base_version=base)
+            else:
+                d = Delivery(p, version, obj, included)
+        elif commit.delta is None:
+            d = Delivery(p, version, store.held(p)[1], included)
         else:  # publish: delta to every learner: the syncer's q, valid on top of version − 1
             d = Delivery(p, version, None, included, delta=commit.delta)
-        sent[m][p], covered[m][p] = version, included
+        sent[m][p] = version
         run.bytes_down[m] += d.nbytes
         heapq.heappush(deliveries, (now + sync_time, m, seq, d))
         seq += 1
@@ -171,14 +170,12 @@ def run_local(
                 run.events.append({**outcome.event, "time": now})
                 included = {m: e["step"] for m, e in store.last_merged(p).items()}
                 for m in range(M):
-                    pending = learners[m].pending()[p]
-                    if pending is not None and covered[m][p] is not None and covered[m][p] >= pending:
-                        pending = None  # a merge of it is already on its way
+                    in_flight = [d for _, mm, _, d in deliveries if mm == m]
                     if publish.due(
                         cfg.learner.install,
                         result.version,
                         sent[m][p],
-                        pending,
+                        learners[m].pending(in_flight)[p],
                         included.get(m),
                         cfg.syncer.max_staleness,
                     ):

@@ -103,8 +103,10 @@ class FragmentStore:
     async def commit(self, c: Commit) -> CommitResult:
         result = self.core.commit(c)
         if result.accepted:
-            kind, obj = ("full", self.core.held(c.fragment_id)[1]) if c.delta is None else ("delta", c.delta)
-            self._published[c.fragment_id] = (result.version, ray.put(obj), self._merged_steps(c.fragment_id), kind)
+            if not self._per_learner:  # per-learner deltas are encoded when a learner is due (`_newer`)
+                kind, obj = ("full", self.core.held(c.fragment_id)[1]) if c.delta is None else ("delta", c.delta)
+                p = c.fragment_id
+                self._published[p] = (result.version, ray.put(obj), self._merged_steps(p), kind)
             if self._committed is not None:
                 self._committed.set()
                 self._committed = None
@@ -150,18 +152,16 @@ class FragmentStore:
         out = []
         install = self.cfg.learner.install if learner_id is not None else "every"
         for p, v in enumerate(self.core.versions):
+            if v <= known[p]:
+                continue
             merged = self._merged_steps(p)
             mine, waiting = merged.get(learner_id), None if pending is None else pending[p]
             if not publish.due(install, v, known[p], waiting, mine, self.cfg.syncer.max_staleness):
                 continue
             if self._per_learner and learner_id is not None:
-                if self._copies.version(learner_id, p) == known[p]:
-                    q = self._copies.delta(learner_id, p, v, self.core.fragment(p)[1])
-                    out.append((p, v, [ray.put(q)], merged, "delta", known[p]))
-                else:  # no copy at the learner's version (restarted store): Θ̂_p in full, recorded
-                    _, values = self.core.held(p)
-                    self._copies.set(learner_id, p, v, values)
-                    out.append((p, v, [ray.put(values)], merged, "full", v))
+                target, full = self.core.fragment(p)[1], self.core.held(p)[1]
+                kind, obj, base = self._copies.prepare(learner_id, p, v, known[p], target, full)
+                out.append((p, v, [ray.put(obj)], merged, kind, base))
                 continue
             pub = self._published.get(p)
             if pub is None or pub[0] != v:  # restarted store: publish the restored fragment again

@@ -23,7 +23,7 @@ The Ray actor in `actors/learner.py` is a thin wrapper around this class.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -237,9 +237,16 @@ class LearnerCore:
         self.inbox[p] = d
         return True
 
-    def pending(self) -> list[int | None]:
-        """Per fragment: the step of its last push not yet installed by a merge, or None."""
-        return [None if r is None else r.step for r in self.last_push]
+    def pending(self, in_flight: Iterable[Delivery] = ()) -> list[int | None]:
+        """Per fragment: the step of its last push that no merge includes yet, installed, queued in
+        the inbox or `in_flight` (sent to it, not yet received); None if none: what
+        `learner.install: own` waits on (`dloco.publish.due`)."""
+        out = [None if r is None else r.step for r in self.last_push]
+        for d in [*self.inbox.values(), *in_flight]:
+            s = out[d.fragment_id]
+            if s is not None and d.included_step is not None and d.included_step >= s:
+                out[d.fragment_id] = None
+        return out
 
     def apply_inbox(self) -> list[int]:
         """Installs queued merges (blocking mode: only once step ≥ push step + τ); returns their ids."""

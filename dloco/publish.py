@@ -28,8 +28,6 @@ import numpy as np
 
 from dloco import compress
 
-INSTALL_MODES = ("every", "own")
-
 
 def due(install: str, version: int, known: int, pending: int | None, merged: int | None, max_staleness: int) -> bool:
     """Whether a learner that holds version `known` of a fragment is sent `version` of it.
@@ -70,6 +68,23 @@ class Copies:
     def version(self, learner: int, p: int) -> int | None:
         held = self._held.get((learner, p))
         return None if held is None else held[0]
+
+    def prepare(
+        self,
+        learner: int,
+        p: int,
+        version: int,
+        known: int,
+        target: Mapping[str, np.ndarray],
+        full: Mapping[str, np.ndarray],
+    ) -> tuple[str, Mapping, int]:
+        """What `learner`, holding version `known` of fragment p, is sent of `version`, as (kind,
+        payload, base version): ("delta", q, known) against its copy when the copy is at `known`;
+        else ("full", `full`, `version`), recorded as its copy (after a store restart, say)."""
+        if self.version(learner, p) == known:
+            return "delta", self.delta(learner, p, version, target), known
+        self.set(learner, p, version, full)
+        return "full", full, version
 
     def delta(
         self, learner: int, p: int, version: int, target: Mapping[str, np.ndarray]
