@@ -77,6 +77,7 @@ class Learner:
         self.straggler = learner_id in chaos.stragglers(self.cfg.chaos, self.cfg.learners.count)
         self.busy: deque[float] = deque(maxlen=64)  # per step: seconds of work (step, polls, pushes)
         self.waits: deque[float] = deque(maxlen=64)  # per step: seconds blocked waiting for merges
+        self.computes: deque[float] = deque(maxlen=64)  # per step: seconds of the step itself (within busy)
         self._events: list[dict] = []
         self._lost: list[tuple[float, object]] = []  # blocking algorithms: (lost at, push) to resend
         self._frozen_until = 0.0
@@ -124,6 +125,7 @@ class Learner:
                 # a step's cycle, end to end, less the freeze: time blocked on merges, and the rest
                 self.waits.append(t0 - w0)
                 self.busy.append(t1 - last - frozen - (t0 - w0))
+                self.computes.append(t1 - t0)
             last = t1
             self.loss.update(metrics["loss"])
             for push in pushes:
@@ -258,6 +260,8 @@ class Learner:
             "loss": self.loss.value,
             "step_time": self.step_time.value,
             "cycle_time": typical_cycle(self.busy, self.waits),
+            # the mean step over the same steps as cycle_time's work (≤ it, step by step)
+            "compute_time": sum(self.computes) / len(self.computes) if self.computes else None,
             "frozen": time.time() < self._frozen_until,
             "resyncs": c.resyncs,
             "pushes": self.pushes,

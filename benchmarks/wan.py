@@ -341,8 +341,9 @@ def analyse(name: str, overrides: list[str], out: dict, link: dict[str, int], ta
     reached = time_to_target(evals, target)
     remote = [m for m, st in statuses.items() if "region_b" in ((st.get("node") or {}).get("resources") or {})]
     tokens = s["tokens_trained"]
-    step_s = max((st["cycle_time"] or 0.0) for st in statuses.values())
-    compute_s = max((st["step_time"] or 0.0) for st in statuses.values())
+    # the slowest learner's cycle, and the compute of that learner over the same steps
+    slowest = max(statuses.values(), key=lambda st: st["cycle_time"] or 0.0)
+    step_s, compute_s = slowest["cycle_time"] or 0.0, slowest["compute_time"] or 0.0
     return {
         "algorithm": name,
         "params": out["params"],
