@@ -70,7 +70,7 @@ def eval_set(cfg: RunConfig, c: data.Corpus) -> list[np.ndarray]:
     return data.eval_batches(
         c.load_split("val"),
         seq_len=cfg.data.seq_len,
-        batch_size=cfg.inner.batch_size,
+        batch_size=cfg.data.eval_batch_size,
         max_batches=cfg.data.eval_batches,
     )
 

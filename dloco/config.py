@@ -4,7 +4,8 @@ Symbols of ALGORITHM.md §2 and their config names:
 
     M  learners.count        P  fragments.count      H  sync.every
     τ  sync.overlap          K  syncer.quorum        γ  syncer.grace_factor
-    η  outer.lr              μ  outer.momentum       α  learner.blend_alpha
+    η  outer.lr              μ  outer.momentum       N  outer.delay
+    α  learner.blend_alpha
 
 `load(path, overrides)` starts from a preset (`tiny` unless the YAML file or an override says
 `preset: small`), applies the YAML file, then dotted overrides such as ``"sync.every=48"``. Every
@@ -82,6 +83,7 @@ class DataConfig:
     max_bytes: int = 0  # 0: the whole corpus
     cache_dir: str = "~/.cache/dloco/data"
     eval_batches: int = 8
+    eval_batch_size: int = 16  # rows per validation batch: the same held-out set whatever the batch size
     shards: int = 64  # disjoint data streams; learner m reads shard m, so at most this many learners
 
     def __post_init__(self) -> None:
@@ -93,7 +95,7 @@ class DataConfig:
         )
         _choice("data", self, "tokenizer", ("byte", "bpe"))
         _check(self.vocab_size >= 260, "data.vocab_size", self.vocab_size, "must be >= 260 (BPE over bytes)")
-        _positive("data", self, "seq_len", "eval_batches", "shards")
+        _positive("data", self, "seq_len", "eval_batches", "eval_batch_size", "shards")
         _check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
         _check(self.max_bytes >= 0, "data.max_bytes", self.max_bytes, "must be >= 0 (0: no limit)")
 
@@ -131,15 +133,35 @@ class InnerConfig:
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """Outer optimizer: SGD with Nesterov momentum, learning rate η, momentum μ."""
+    """Outer optimizer: SGD with Nesterov momentum, learning rate η, momentum μ, delay N.
 
-    lr: float = 0.7
-    momentum: float = 0.9
+    `delay` is N of Delayed Nesterov (Liu et al. 2024, *Asynchronous Local-SGD*, Algorithm 3;
+    `dloco.outer`): each commit applies its pseudo-gradient as a plain SGD step, and the momentum
+    is updated (and applied) once per N merged contributions. With quorum K < M one sync period of
+    a fragment is committed in several partial merges; N = M updates the momentum about once per
+    period, as synchronous DiLoCo does, instead of compounding it over every partial merge.
+    1: per-commit Nesterov (momentum updated at every commit). 0: N = learners.count.
+
+    Default: plain averaging (η 1, μ 0), the winner of the tuning sweep (`benchmarks/quality.py`,
+    docs/RESULTS.md): under K = 1 every momentum setting tried, delayed or per commit, ended
+    higher; with momentum, set `outer.momentum` and keep `outer.delay` at 0 (Delayed Nesterov).
+    """
+
+    lr: float = 1.0
+    momentum: float = 0.0
     nesterov: bool = True
+    delay: int = 0
 
     def __post_init__(self) -> None:
         _positive("outer", self, "lr")
         _check(0 <= self.momentum < 1, "outer.momentum", self.momentum, "must be in [0, 1)")
+        _check(self.delay >= 0, "outer.delay", self.delay, "must be >= 0 (0: learners.count, 1: per-commit Nesterov)")
+        _check(
+            self.nesterov or self.delay == 1 or self.momentum == 0,
+            "outer.delay",
+            self.delay,
+            "must be 1 with outer.nesterov=false (Delayed Nesterov needs the Nesterov form)",
+        )
 
 
 @dataclass(frozen=True)
@@ -248,7 +270,7 @@ class LearnerConfig:
 
     `install` (`dloco.publish`): `every` sends each committed version of a fragment to every
     learner; `own` (default) sends it to a learner when it merges that learner's own push (once
-    per sync period), or when the learner has fallen `syncer.max_staleness` / 2 versions behind.
+    per sync period), or when the learner has fallen max(1, ⌈`syncer.max_staleness` / 2⌉) versions behind.
     Measured (M = 4, 160 steps): own 2.404 vs every 2.419 at 11.8 vs 42.9 MB received per
     learner; with int4 both ways the measured wire ratio to fp32 dp is 183× vs 78×.
     """
@@ -430,8 +452,9 @@ BLOCKING_ALGORITHMS = ("diloco", "streaming", *DP_ALGORITHMS)
 # (so a conflicting explicit value fails validation with a message, never silently wins).
 # dp: one fragment sent every step (H = 1, P = 1, τ = 0) holding the full fp32 gradient, averaged
 # by tokens; every learner installs the same AdamW update (see `dloco.outer`). diloco installs the
-# merged model as it is (the paper's overwrite); streaming blends, Streaming DiLoCo's mixing of the
-# local and the merged fragment.
+# merged model as it is (the paper's overwrite) and waits for it right after its push (τ = 0: with
+# τ > 0 the overwrite would discard the τ steps trained meanwhile, 8 % of the compute at H = 24,
+# τ = 2); streaming blends, Streaming DiLoCo's mixing of the local and the merged fragment.
 _DP = {
     "sync": {"every": 1, "overlap": 0},
     "fragments": {"count": 1},
@@ -443,7 +466,12 @@ _DP = {
 ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "dp": _DP,
     "elastic_dp": _DP,
-    "diloco": {"fragments": {"count": 1}, "syncer": {"grace_factor": 0.0}, "learner": {"receive": "overwrite"}},
+    "diloco": {
+        "fragments": {"count": 1},
+        "sync": {"overlap": 0},
+        "syncer": {"grace_factor": 0.0},
+        "learner": {"receive": "overwrite"},
+    },
     "streaming": {"syncer": {"grace_factor": 0.0}, "learner": {"receive": "blend"}},
 }
 
@@ -484,6 +512,14 @@ class RunConfig:
         _check(
             self.data.shards >= M, "learners.count", M, f"must be <= data.shards={self.data.shards} (one shard each)"
         )
+        if self.outer.momentum > 0 and (self.outer.delay or M) > 1 and K < M and self.algorithm not in DP_ALGORITHMS:
+            _check(
+                self.merge.scale_by_share,
+                "merge.scale_by_share",
+                self.merge.scale_by_share,
+                "must be true for Delayed Nesterov with syncer.quorum < learners.count (each partial merge "
+                "applies its share of the period's progress; or set outer.delay=1)",
+            )
         if self.algorithm in BLOCKING_ALGORITHMS:
             _check(K == M, "syncer.quorum", K, f"must equal learners.count={M} for algorithm={self.algorithm} (K = M)")
         if self.algorithm == "diloco":
@@ -513,29 +549,23 @@ class RunConfig:
 # Presets are overrides on the dataclass defaults. `tiny`: a 0.4M-parameter model that trains in
 # seconds on one CPU core. `small`: a 3.2M-parameter model for quality comparisons.
 #
-# All presets use outer lr 1, no momentum. Measured (actors.local, 4 learners at step times 1.0,
-# 1.07, 1.13, 1.2, 50 steps each, tiny model): K=1 with the spec's η=0.7, μ=0.9 ends at eval loss
-# 3.19, with η=1, μ=0 at 2.67 (K=M with η=0.7, μ=0.9: 2.81). With K < M a round of H steps is
-# merged in several partial merges, and Nesterov momentum compounds across them.
-_PLAIN_OUTER = {"lr": 1.0, "momentum": 0.0}
+# Presets choose the model, data and budget; the algorithm's settings are the dataclass defaults
+# (one truth: `dloco train` runs what docs/CONFIG.md and README state).
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {"outer": _PLAIN_OUTER},
+    "tiny": {},
     # `micro`: a 21k-parameter model on 400 kB of the corpus, for smoke runs and tests; `mini`: a
     # 115k-parameter model, for benchmarks that time the system rather than the arithmetic.
     "micro": {
-        "outer": _PLAIN_OUTER,
         "model": {"d_model": 32, "n_heads": 2, "n_layers": 1},
         "inner": {"batch_size": 4},
         "data": {"seq_len": 32, "max_bytes": 400_000},
     },
     "mini": {
-        "outer": _PLAIN_OUTER,
         "model": {"d_model": 64, "n_heads": 2, "n_layers": 2},
         "inner": {"batch_size": 8},
         "data": {"seq_len": 64, "max_bytes": 2_000_000},
     },
     "small": {
-        "outer": _PLAIN_OUTER,
         "model": {"d_model": 256, "n_layers": 4, "n_heads": 4},
         "inner": {"lr": 2e-3, "warmup_steps": 50, "total_steps": 2000, "batch_size": 8},
         "data": {"seq_len": 128},

@@ -221,7 +221,7 @@ class SyncerCore:
         share = self.share(p, metas, weights)
         if share < 1.0:
             pseudo_grad = {n: x * np.float32(share) for n, x in pseudo_grad.items()}
-        values, state = self._outer_step(self.values[p], self.state[p], pseudo_grad)
+        values, state = self._outer_step(self.values[p], self.state[p], pseudo_grad, len(metas))
         for tn in norms:
             self.norms[p].record(float(np.sqrt(sum(v * v for v in tn.values()))))
         held, published = self._publish(p, values)
