@@ -8,15 +8,16 @@
 - ``own``: m is sent fragment p when a committed version merges m's own pending push of p
   (`due`), which happens once per sync period; the versions in between are not sent, the next
   delivery carries them. So that its next push stays within `syncer.max_staleness`, m is also
-  sent p once it has fallen half that many versions behind (a lost or rejected push, none
+  sent p once it has fallen max(1, ⌈max_staleness / 2⌉) versions behind (a lost or rejected push, none
   pending, or many learners).
 
 With `compression.publish: delta` and ``own``, a learner that skipped versions cannot apply the
 syncer's delta (it is valid on top of version v − 1 only), and Θ̂_p in full costs 4 bytes per
 value. `Copies` therefore keeps, per learner and fragment, the float32 copy C_mp the learner
-holds and sends q = encode(Θ̂_p − C_mp, `publish_dtype`), C_mp ← C_mp + decode(q): error
+holds and sends q = encode(Θ_p − C_mp, `publish_dtype`), C_mp ← C_mp + decode(q): error
 feedback per learner, the same decode on both sides, so C_mp is what m holds bit for bit and
-stays within one quantization step of Θ̂_p. The copies are soft state (M copies of the model in
+stays within one quantization step of Θ_p (the callers pass the merged Θ_p itself, not the
+syncer's shadow). The copies are soft state (M copies of the model in
 the store's memory): lost with a store restart, after which a learner is sent Θ̂_p in full once.
 """
 

@@ -178,7 +178,7 @@ def render() -> str:
         inspect.cleandoc(config.__doc__ or ""),
         "",
         "Every key below can be set in a YAML RunConfig (nested mappings) or on the command line",
-        "(`dloco train --set section.key=value`). Symbols are those of `shared/docs/ALGORITHM.md` §2",
+        "(`dloco train --set section.key=value`). Symbols are those of `docs/ALGORITHM.md` §2",
         "(see also `docs/SYMBOLS.md`).",
         "",
     ]
