@@ -69,7 +69,10 @@ def _reject(reason: str) -> Decision:
 
 
 class NormTracker:
-    """Median of the last ``window`` accepted contribution norms ‖δ‖, for the outlier check.
+    """Median of the last ``window`` accepted contribution norms, for the outlier check.
+
+    The syncer records per-step norms ‖δ‖ / c_steps, so that pushes covering different numbers
+    of steps (a fragment's first push covers only its send offset) compare fairly.
 
     A contribution is an outlier when ‖δ‖ > ``max_norm_ratio`` × median, once at least ``warmup``
     norms have been recorded (before that the median is too noisy to judge by).

@@ -186,3 +186,30 @@ def test_nothing_valid_means_no_commit():
 def test_merge_weights_match_hand_computation_for_rda():
     w = merge.token_weights([300, 150], [10, 10])
     assert list(w / w.sum()) == pytest.approx([0.8, 0.2])
+
+
+def test_outlier_check_compares_per_step_norms():
+    """A fragment's first pushes cover few steps (its send offset); later pushes cover H steps and
+    are proportionally larger. Judged by per-step norm they are normal; a push whose per-step norm
+    is max_norm_ratio × the median is still rejected (regression: at M = 8 every later push of
+    fragment 1 was rejected against the median of its 6-step first pushes)."""
+    _, s = make_syncer(**{"syncer.quorum": 1, "syncer.norm_warmup": 3, "syncer.max_norm_ratio": 10.0})
+
+    def push_alone(m, steps, norm, now):
+        x = [norm, 0, 0, 0]
+        assert s.push(meta(m, tokens=10 * steps, steps=steps, base=s.version[1]), payload(x), now=now).accept
+        items, _ = s.take(1, now)
+        out = s.merge(1, items, grace_used=0.0)
+        if out.commit is not None:
+            s.committed(out, sync_time=0.01)
+        return out
+
+    for i in range(3):  # first pushes: 6 steps, ‖δ‖ = 0.06 → 0.01 per step
+        assert push_alone(i, 6, 0.06, float(i)).commit is not None
+    # 24 steps, ‖δ‖ = 1.2: 20× the first raw norms, but 0.05 per step = 5× the median → merged
+    out = push_alone(0, 24, 1.2, 10.0)
+    assert out.commit is not None and out.rejections == []
+    # 24 steps at 0.25 per step: 25× the per-step median (0.01, 0.01, 0.01, 0.05 → 0.01) → rejected
+    out = push_alone(1, 24, 6.0, 11.0)
+    assert out.commit is None
+    assert out.rejections[0]["reason"].startswith("norm outlier: norm 0.25 > max_norm_ratio 10.0 × median 0.01")
