@@ -1,23 +1,37 @@
-"""Quality at equal tokens: dp, diloco, streaming and decoupled, plus the ablations of ALGORITHM.md.
+"""Quality at equal tokens in the compute-optimal regime: a fair sweep, 3-seed finals, ablations.
 
 Every row is one deterministic in-process run (`actors.local.run_local`: the same learner, syncer
 and store cores the Ray actors wrap, on a virtual clock), so rows differ only in what the row
-changes, and each is reproducible bit for bit. All rows use the same model, corpus split and
-validation set; every learner takes `--steps` inner steps of `inner.batch_size` sequences. The DP
-reference is one learner with an M× larger batch for the same number of steps (the same tokens;
-synchronous data parallel computes exactly this, up to float summation order), through the same
-engine (`algorithm: dp`). The inner schedule (warmup + cosine) spans the run in every row.
+changes, and each is reproducible bit for bit.
+
+**Regime.** The `mini` preset's model (d64, 2 layers) on the whole corpus, `BATCH` sequences of
+64 tokens per learner step. Every learner takes S steps: the larger of what makes M = 4 learners
+train `TOKENS_PER_PARAM` (20) tokens per parameter in total (the compute-optimal budget of the
+DiLoCo comparisons) and `MIN_PERIODS` (80) sync periods per fragment at H = 24. The DP reference
+is one learner with an M× batch for the same S steps (exactly what synchronous data parallel
+computes, up to float summation order), so every comparison is at equal tokens; M = 8 and 16 rows
+train 2× and 4× as many tokens as M = 4. The inner schedule (warmup 10 %, cosine) spans S in
+every row.
+
+**Phases.** `sweep` (corpus stdlib, M = 4, seed 0): the same number of grid points per algorithm
+— inner lr for dp at its M× batch, outer (η, μ) for diloco, streaming and decoupled; decoupled
+both with Delayed Nesterov (N = M) and with per-commit Nesterov, plus plain averaging (η 1, μ 0).
+Then, from the sweep's best setting of each: `final` (seeds 1, 2; the table pools them with the
+sweep's seed 0), `m8` (the decisive rows at M = 8), `m1` (DiLoCo with one learner against plain
+training at equal tokens, dp's tuned lr as the inner lr of both), `merge` (RDA vs mean at M = 4, 8,
+16), `compression` (bf16, int2; int4 is the default), `receive` (overwrite, blend; rebase is
+the default), `quorum` (stragglers: K = M, K = 1 without
+and with grace), `shakespeare` (the final table on a second corpus: Shakespeare, BPE tokens).
+One invocation runs the sweep rows it selects first and then the rows that depend on them.
 
 Learner speeds: learner m's step takes 1 + 0.2·m/(M−1) virtual seconds (a mildly heterogeneous
-fleet), a commit reaches the learners 0.5 s after it closes. The quorum/grace ablation instead
-slows half the learners by 20 % and adds per-step jitter U(1, 1.3) (the `chaos` section's
-stragglers and jitter on the virtual clock).
+fleet), a commit reaches the learners 0.5 s after it closes; the quorum rows instead slow half
+the learners by 20 % and add per-step jitter U(1, 1.3).
 
-Usage:  python benchmarks/quality.py [--steps 160] [--workers 2] [--only GROUP[/LABEL-PREFIX],...] [--seeds 0,...]
-                                    [--tiny] [--out PATH]
-        JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/quality.py ...: rows on a GPU
-Writes  benchmarks/results/quality.json (+ quality.png): every row with its config and config hash.
-        With --only, the other rows already in that file are kept (same --steps/--tiny).
+Usage:  python benchmarks/quality.py [--workers 2] [--only PHASE[/LABEL-PREFIX],...] [--seeds 0,...] [--tiny]
+                                    [--out benchmarks/results/quality.json]
+Writes  the JSON (every row with its overrides and config hash; a rerun replaces the rows it ran
+        and keeps the others) and a PNG beside it. `benchmarks/report.py` turns it into docs/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -40,135 +55,220 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dloco import config  # noqa: E402
 
-# The model every row trains: the `tiny` preset (0.43M parameters, d128, 2 layers, byte tokens on
-# the stdlib corpus) with 8 sequences of 128 tokens per learner step. `--tiny`: the 21k-parameter
-# `micro` preset, for the test suite.
-MODEL = ("preset=tiny", "inner.batch_size=8")
-TINY_MODEL = (
-    "preset=micro",
-    "sync.every=8",
-    "fragments.count=2",
-    "sync.overlap=1",
+TOKENS_PER_PARAM = 20  # the floor of the regime
+M_REF = 4  # the M whose total tokens meet TOKENS_PER_PARAM
+BATCH = 8  # sequences per learner step (512 tokens)
+MIN_PERIODS = 80  # sync periods per fragment at the default H
+MODEL = (
+    "preset=mini",
+    "data.max_bytes=0",
+    f"inner.batch_size={BATCH}",
+    "data.eval_batches=32",
+    "data.eval_batch_size=16",
 )
-CHAOS_STRAGGLERS = ("chaos.straggler_factor=1.2", "chaos.jitter=0.3")
+# `--tiny`: the 21k-parameter `micro` preset, 16 steps, a few rows (for the test suite)
+TINY_MODEL = ("preset=micro", "sync.every=8", "fragments.count=2", "sync.overlap=1")
+TINY_STEPS = 16
+CORPORA = {
+    "stdlib": ("data.source=stdlib", "data.tokenizer=byte"),
+    "shakespeare": ("data.source=shakespeare", "data.tokenizer=bpe", "data.vocab_size=512"),
+}
+# Tuning grids, four points per algorithm: dp's inner lr; for diloco and streaming the outer (η, μ)
+# × the learners' inner lr; for decoupled plain averaging and Delayed Nesterov (η 0.5, μ 0.5) × the
+# inner lr. The outer-optimizer study (grid False) adds Delayed and per-commit Nesterov at four
+# (η, μ) each, at the default inner lr.
+DP_LRS = (3e-3, 6e-3, 9e-3, 1.2e-2)
+INNER_LRS = (3e-3, 6e-3)  # the first is the preset's, written without an override
+GRID = ((0.5, 0.5), (0.7, 0.9))
+OUTER_STUDY = ((0.5, 0.5), (1.0, 0.5), (0.5, 0.9), (0.7, 0.9))
+TINY_GRID, TINY_DP_LRS, TINY_INNER_LRS = ((0.7, 0.9),), (3e-3, 6e-3), (3e-3, 6e-3)
+STRAGGLERS = ("chaos.stragglers=2", "chaos.straggler_factor=1.2", "chaos.jitter=0.3")
+FAMILIES = ("dp", "diloco", "streaming", "decoupled/delayed", "decoupled/per-commit", "decoupled/plain")
+# the issue's own scale point: the `tiny` preset (0.43 M parameters, sequences of 128 tokens)
+SCALE_MODEL = (
+    "preset=tiny",
+    "data.max_bytes=0",
+    "inner.batch_size=8",
+    "data.eval_batches=16",
+    "data.eval_batch_size=16",
+)
 
 
-def rows(tiny: bool) -> list[dict]:
-    """The table: (group, label, M, overrides, seed). Seeds 1, 2 repeat the key rows."""
+def outer_ov(lr: float, mu: float, delay: int = 0) -> tuple[str, ...]:
+    return (f"outer.lr={lr}", f"outer.momentum={mu}", f"outer.delay={delay}")
+
+
+def sweep_rows(tiny: bool) -> list[dict]:
+    grid, lrs, inner = (TINY_GRID, TINY_DP_LRS, TINY_INNER_LRS) if tiny else (GRID, DP_LRS, INNER_LRS)
     r = []
 
-    def add(group, label, M, *ov, seed=0, algorithm="decoupled", steps=None):
-        r.append(
-            {"group": group, "label": label, "M": M, "algorithm": algorithm, "overrides": list(ov), "seed": seed}
-            | ({"steps": steps} if steps else {})
-        )
+    def add(family, label, ov, algorithm, grid=True):
+        r.append(row("sweep", label, "stdlib", 4, algorithm, ov, 0, family=family, grid=grid))
 
-    Ms = (4,) if tiny else (4, 8)
-    for M in Ms:
-        add("main", f"dp (1 learner, {M}x batch)", M, algorithm="dp")
-        add("main", "diloco", M, algorithm="diloco")
-        add("main", "streaming", M, algorithm="streaming")
-        add("main", "decoupled", M)
+    def lr_ov(lr):
+        return ((), "") if lr == inner[0] else ((f"inner.lr={lr}",), f", inner lr {lr:g}")
+
+    for lr in lrs:
+        add("dp", f"dp, lr {lr:g}", (f"inner.lr={lr}",), "dp")
+    for alg in ("diloco", "streaming"):
+        for (eta, mu), lr in ((g, lr) for g in grid for lr in inner):
+            ov, tag = lr_ov(lr)
+            add(alg, f"{alg}, η {eta:g} μ {mu:g}{tag}", outer_ov(eta, mu) + ov, alg)
+    for lr in inner:
+        ov, tag = lr_ov(lr)
+        add("decoupled/plain", f"decoupled/plain, η 1 μ 0{tag}", outer_ov(1.0, 0.0) + ov, "decoupled")
+        add("decoupled/delayed", f"decoupled/delayed, η 0.5 μ 0.5{tag}", outer_ov(0.5, 0.5) + ov, "decoupled")
     if tiny:
-        add("compression", "int2", 4, "compression.dtype=int2")
-        add("bandwidth", "H=8, int4 both ways", 4, "compression.publish=delta")
         return r
-    for seed in (1, 2):
-        add("main", "dp (1 learner, 4x batch)", 4, algorithm="dp", seed=seed)
-        add("main", "decoupled", 4, seed=seed)
-    for M in (4, 8, 16):
-        add("merge", "mean", M, "merge.rule=mean")
-    add("merge", "rda", 16)
-    for d in ("fp32", "bf16", "int8", "int2"):
-        add("compression", d, 4, f"compression.dtype={d}")
-    add("quorum", "K=M", 4, "syncer.quorum=4", "syncer.grace_factor=0", *CHAOS_STRAGGLERS, "chaos.stragglers=2")
-    add("quorum", "K=1, no grace", 4, "syncer.grace_factor=0", *CHAOS_STRAGGLERS, "chaos.stragglers=2")
-    add("quorum", "K=1 + grace", 4, *CHAOS_STRAGGLERS, "chaos.stragglers=2")
-    # each receive mode with the default share scaling, and blend / rebase with every round applied
-    # in full (merge.scale_by_share=false; blend unscaled was the default before)
-    for M in (4, 8):
-        for mode in ("overwrite", "blend", "rebase"):
-            add("receive", mode, M, f"learner.receive={mode}")
-        for mode in ("blend", "rebase"):
-            add("receive", f"{mode}, unscaled rounds", M, f"learner.receive={mode}", "merge.scale_by_share=false")
-    # when a learner is sent a merged fragment: each committed version (every) or once its own push
-    # is merged (own, the default); each against the default rows of the main table
-    for M in (4, 8):
-        add("install", "every", M, "learner.install=every")
-    add("fragments", "P=1", 4, "fragments.count=1")
-    # one tensor per fragment: the tiny model has 14 tensors; H must be a multiple of P and τ < H/P
-    add("fragments", "P=14 (all tensors), H=28, τ=1", 4, "fragments.count=14", "sync.every=28", "sync.overlap=1")
-    for H in (24, 48, 96):
-        add("bandwidth", f"H={H}, int4 both ways", 4, "compression.publish=delta", f"sync.every={H}")
-    add("bandwidth", "H=24, int4 both ways, install every", 4, "compression.publish=delta", "learner.install=every")
-    # the gap to dp against training length (each row its own step count, equal tokens within a pair)
-    for S in (480, 1000):
-        add("horizon", f"dp (1 learner, 4x batch), {S} steps", 4, algorithm="dp", steps=S)
-        add("horizon", f"diloco, {S} steps", 4, algorithm="diloco", steps=S)
-        add("horizon", f"decoupled, {S} steps", 4, steps=S)
-        add("horizon", f"blend (scaled rounds), {S} steps", 4, "learner.receive=blend", steps=S)
-        add(
-            "horizon",
-            f"former default (blend, unscaled rounds), {S} steps",
-            4,
-            "learner.receive=blend",
-            "merge.scale_by_share=false",
-            "learner.install=every",
-            steps=S,
-        )
-    # where the gap comes from: one learner with the same per-learner batch (what 4 learners must beat),
-    # the spec's outer Nesterov (η 0.7, μ 0.9) instead of the presets' plain η 1, and a 4x larger
-    # per-learner batch (dp's batch grows with it: equal tokens within the pair)
-    nesterov = ("outer.lr=0.7", "outer.momentum=0.9")
-    for S in (480, 1000):
-        add("gap", f"1 learner, 1x batch, {S} steps", 1, algorithm="dp", steps=S)
-    add("gap", "diloco, outer η 0.7 μ 0.9, 480 steps", 4, *nesterov, algorithm="diloco", steps=480)
-    add("gap", "decoupled, outer η 0.7 μ 0.9, 480 steps", 4, *nesterov, steps=480)
-    add("gap", "dp (1 learner, 4x batch), batch 32 per learner", 4, "inner.batch_size=128", algorithm="dp")
-    add("gap", "decoupled, batch 32 per learner", 4, "inner.batch_size=32")
+    for eta, mu in OUTER_STUDY:
+        if (eta, mu) != (0.5, 0.5):
+            add("decoupled/delayed", f"decoupled/delayed, η {eta:g} μ {mu:g}", outer_ov(eta, mu), "decoupled", False)
+        ov = outer_ov(eta, mu, 1)
+        add("decoupled/per-commit", f"decoupled/per-commit, η {eta:g} μ {mu:g}", ov, "decoupled", False)
     return r
 
 
-def row_config(row: dict, steps: int, tiny: bool) -> config.RunConfig:
-    M = row["M"]
-    base = TINY_MODEL if tiny else MODEL
-    if row["algorithm"] in config.DP_ALGORITHMS:  # dp implies H = P = 1, τ = 0
+def row(group, label, corpus, M, algorithm, overrides, seed, **extra) -> dict:
+    return {
+        "group": group,
+        "label": label,
+        "corpus": corpus,
+        "M": M,
+        "algorithm": algorithm,
+        "overrides": list(overrides),
+        "seed": seed,
+    } | extra
+
+
+def best(results: list[dict], family: str, grid_only: bool = True) -> dict | None:
+    """The sweep row of `family` with the lowest eval loss (None until the sweep has run it)."""
+    cands = [r for r in results if r["group"] == "sweep" and r.get("family") == family and (r["grid"] or not grid_only)]
+    return min(cands, key=lambda r: r["eval_loss"]) if cands else None
+
+
+def tuned(results: list[dict]) -> dict[str, dict] | None:
+    """Per algorithm the best grid point: dp, diloco, streaming, decoupled (the better of plain
+    averaging and Delayed Nesterov), and decoupled/plain; None while a family is missing."""
+    b = {f: best(results, f) for f in ("dp", "diloco", "streaming", "decoupled/delayed", "decoupled/plain")}
+    if any(v is None for v in b.values()):
+        return None
+    dec = min(b["decoupled/delayed"], b["decoupled/plain"], key=lambda r: r["eval_loss"])
+    return {k: b[k] for k in ("dp", "diloco", "streaming")} | {"decoupled": dec, "plain": b["decoupled/plain"]}
+
+
+def dependent_rows(results: list[dict], tiny: bool) -> list[dict]:
+    """The rows built on the sweep's winners (empty until the sweep is complete)."""
+    t = tuned(results)
+    if t is None:
+        return []
+    r = []
+    ov = {k: tuple(v["overrides"]) for k, v in t.items()}
+    seeds = (1,) if tiny else (1, 2)
+    finals = ("dp", "diloco", "streaming", "decoupled") + (() if t["decoupled"] is t["plain"] else ("plain",))
+    for k in finals:
+        alg = t[k]["algorithm"]
+        for s in seeds:
+            r.append(row("final", f"{k} (tuned)", "stdlib", 4, alg, ov[k], s))
+    dp_lr = ov["dp"]
+    # DiLoCo with one learner (its batch = dp's) against plain training: dp's tuned lr for both
+    for s in (0,) if tiny else (0, 1, 2):
+        r.append(row("m1", "diloco M=1 (tuned outer)", "stdlib", 1, "diloco", ov["diloco"] + dp_lr, s))
+    r.append(row("compression", "int2", "stdlib", 4, "decoupled", ov["decoupled"] + ("compression.dtype=int2",), 0))
+    if tiny:
+        return r
+    for k in ("dp", "diloco", "decoupled"):
+        r.append(row("m8", f"{k} (tuned)", "stdlib", 8, t[k]["algorithm"], ov[k], 0))
+    r.append(row("compression", "bf16", "stdlib", 4, "decoupled", ov["decoupled"] + ("compression.dtype=bf16",), 0))
+    for M in (4, 8, 16):
+        r.append(row("merge", "mean", "stdlib", M, "decoupled", ov["decoupled"] + ("merge.rule=mean",), 0))
+    r.append(row("merge", "rda", "stdlib", 16, "decoupled", ov["decoupled"], 0))
+    for mode in ("overwrite", "blend"):  # rebase is the default
+        r.append(row("receive", mode, "stdlib", 4, "decoupled", ov["decoupled"] + (f"learner.receive={mode}",), 0))
+    q = ov["decoupled"] + STRAGGLERS
+    r.append(row("quorum", "K=M", "stdlib", 4, "decoupled", q + ("syncer.quorum=4", "syncer.grace_factor=0"), 0))
+    r.append(row("quorum", "K=1, no grace", "stdlib", 4, "decoupled", q + ("syncer.grace_factor=0",), 0))
+    r.append(row("quorum", "K=1 + grace", "stdlib", 4, "decoupled", q, 0))
+    for k in ("dp", "diloco", "decoupled"):
+        r.append(row("scale", f"{k} (tuned)", "stdlib", 4, t[k]["algorithm"], ov[k], 0, model="tiny"))
+    for s in (0, 1, 2):
+        for k in ("dp", "diloco", "decoupled"):
+            r.append(row("shakespeare", f"{k} (tuned)", "shakespeare", 4, t[k]["algorithm"], ov[k], s))
+        r.append(row("shakespeare", "diloco M=1 (tuned outer)", "shakespeare", 1, "diloco", ov["diloco"] + dp_lr, s))
+    return r
+
+
+def setting(r: dict) -> tuple:
+    """What a row trains, without its seed: rows of one setting pool across groups."""
+    return (r["corpus"], r.get("model", "mini"), r["algorithm"], r["M"], tuple(sorted(r["overrides"])))
+
+
+def key(r: dict) -> tuple:
+    return (r["group"], r["label"], r["corpus"], r["M"], r["seed"])
+
+
+def base_overrides(r: dict, tiny: bool) -> tuple[str, ...]:
+    """The model and corpus of a row."""
+    model = TINY_MODEL if tiny else SCALE_MODEL if r.get("model") == "tiny" else MODEL
+    return (*model, *CORPORA[r["corpus"]])
+
+
+def row_config(r: dict, steps: int, tiny: bool) -> config.RunConfig:
+    M = r["M"]
+    base = base_overrides(r, tiny)
+    if r["algorithm"] in config.DP_ALGORITHMS:  # dp implies H = P = 1, τ = 0
         base = tuple(o for o in base if not o.startswith(("sync.", "fragments.")))
-    if row["algorithm"] == "diloco":  # diloco: one fragment
+    if r["algorithm"] == "diloco":  # diloco: one fragment
         base = tuple(o for o in base if not o.startswith("fragments."))
     batch = config.load(overrides=base).inner.batch_size
     ov = [
         *base,
-        f"algorithm={row['algorithm']}",
-        f"seed={row['seed']}",
-        f"chaos.seed={row['seed']}",
+        f"algorithm={r['algorithm']}",
+        f"seed={r['seed']}",
+        f"chaos.seed={r['seed']}",
         f"inner.total_steps={steps}",
         f"inner.warmup_steps={max(1, steps // 10)}",
         "budget.tokens=0",
         f"budget.steps={steps}",
     ]
-    # the same training windows for every algorithm: dp's one learner reads them all (one shard),
-    # M learners read M disjoint shards of them
-    if row["algorithm"] in config.DP_ALGORITHMS:
+    # the same training windows for every algorithm: a single learner (dp, or DiLoCo M=1) reads
+    # them all with an M_REF× / M× batch; M learners read M disjoint shards of them
+    if r["algorithm"] in config.DP_ALGORITHMS:
         ov += ["learners.count=1", f"inner.batch_size={batch * M}", "data.shards=1"]
+    elif M == 1:
+        ov += ["learners.count=1", f"inner.batch_size={batch * M_REF}", "data.shards=1"]
     else:
         ov += [f"learners.count={M}", f"data.shards={M}"]
-    return config.load(overrides=[*ov, *row["overrides"]])
+    return config.load(overrides=[*ov, *r["overrides"]])
+
+
+def steps_for(r: dict, tiny: bool) -> tuple[int, int]:
+    """(S, parameters): S steps per learner, the larger of what makes M_REF learners (at the model's
+    batch) train TOKENS_PER_PARAM tokens per parameter and MIN_PERIODS sync periods of its H."""
+    from dloco import build
+
+    cfg = row_config(r, 100, tiny)
+    params = sum(f.size for f in build.blueprint(cfg).plan.fragments)
+    if tiny:
+        return TINY_STEPS, params
+    base = config.load(overrides=base_overrides(r, tiny))
+    per_step = M_REF * base.inner.batch_size * base.data.seq_len
+    H = base.sync.every
+    return max(math.ceil(TOKENS_PER_PARAM * params / per_step / H), MIN_PERIODS) * H, params
 
 
 def config_hash(cfg: config.RunConfig) -> str:
     return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def run_row(args: tuple[dict, int, bool]) -> dict:
+def run_row(args: tuple[dict, bool]) -> dict:
     from actors.local import run_local
 
-    row, steps, tiny = args
-    steps = row.get("steps", steps)
-    cfg = row_config(row, steps, tiny)
+    r, tiny = args
+    steps, params = steps_for(r, tiny)
+    cfg = row_config(r, steps, tiny)
     M = cfg.learners.count
     times = [1.0 + 0.2 * m / (M - 1) for m in range(M)] if M > 1 else [1.0]
-    if any(o.startswith("chaos.stragglers") for o in row["overrides"]):
+    if any(o.startswith("chaos.stragglers") for o in r["overrides"]):
         times = [1.0] * M
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
@@ -176,15 +276,17 @@ def run_row(args: tuple[dict, int, bool]) -> dict:
         loss = run.evaluate()
     merges = [e for e in run.events if e["event"] == "merge"]
     tokens = sum(c.step_count * c.tokens_per_step for c in run.learners)
+    P = run.blueprint.plan.count
     return {
-        **row,
+        **r,
         "steps": steps,
-        "params": sum(f.size for f in run.blueprint.plan.fragments),
-        "config_hash": config_hash(cfg),
-        "config": cfg.to_dict(),
-        "eval_loss": loss,
+        "params": params,
         "tokens": tokens,
-        "merges": len(merges),
+        "tokens_per_param": tokens / params,
+        "periods": steps // cfg.sync.every,  # sync periods per fragment (one push per learner each)
+        "commits_per_fragment": len(merges) / P,
+        "config_hash": config_hash(cfg),
+        "eval_loss": loss,
         "rejections": sum(e["event"] == "rejection" for e in run.events),
         "bytes_up": sum(e["bytes_in"] for e in merges),
         "bytes_down_per_learner": sum(run.bytes_down) / M,
@@ -194,37 +296,40 @@ def run_row(args: tuple[dict, int, bool]) -> dict:
 
 
 def summarize(results: list[dict]) -> list[dict]:
-    """Groups rows by (group, label, M); mean and spread (max − min) over seeds."""
+    """One entry per setting (rows pooled across groups and seeds): mean, spread (max − min)."""
     out: dict[tuple, dict] = {}
     for r in results:
-        k = (r["group"], r["label"], r["M"])
-        out.setdefault(k, {"group": k[0], "label": k[1], "M": k[2], "losses": [], "hashes": [], "row": r})
-        out[k]["losses"].append(r["eval_loss"])
-        out[k]["hashes"].append(r["config_hash"])
+        s = out.setdefault(setting(r), {"setting": list(setting(r)), "losses": [], "seeds": [], "hashes": []})
+        if r["seed"] not in s["seeds"]:
+            s["losses"].append(r["eval_loss"])
+            s["seeds"].append(r["seed"])
+            s["hashes"].append(r["config_hash"])
     for s in out.values():
         s["mean"] = statistics.fmean(s["losses"])
         s["spread"] = max(s["losses"]) - min(s["losses"])
-        s["seeds"] = len(s["losses"])
     return list(out.values())
 
 
-def plot(summary: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path) -> None:
+    """The sweep: eval loss per grid point, one panel per family."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({s["group"] for s in summary}, key=[s["group"] for s in summary].index)
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.6), squeeze=False)
-    for ax, g in zip(axes[0], groups, strict=True):
-        items = [s for s in summary if s["group"] == g]
-        labels = [f"{s['label'][:18]}\nM={s['M']}" for s in items]
-        ax.bar(range(len(items)), [s["mean"] for s in items], yerr=[s["spread"] / 2 for s in items], color="C0")
-        ax.set_xticks(range(len(items)), labels, rotation=70, fontsize=6)
-        lo = min(s["mean"] for s in items)
-        ax.set_ylim(lo * 0.97, max(s["mean"] for s in items) * 1.01)
-        ax.set_title(g)
-        ax.set_ylabel("validation loss (nats/byte)")
+    fams = [f for f in FAMILIES if any(r.get("family") == f for r in results)]
+    if not fams:
+        return
+    fig, axes = plt.subplots(1, len(fams), figsize=(2.6 * len(fams), 3.4), squeeze=False, sharey=True)
+    for ax, f in zip(axes[0], fams, strict=True):
+        items = [r for r in results if r.get("family") == f]
+        ax.bar(range(len(items)), [r["eval_loss"] for r in items], color="C0")
+        ax.set_xticks(range(len(items)), [r["label"].split(", ", 1)[1] for r in items], rotation=60, fontsize=7)
+        ax.set_title(f, fontsize=9)
+    lo = min(r["eval_loss"] for r in results if r.get("family"))
+    hi = max(r["eval_loss"] for r in results if r.get("family"))
+    axes[0][0].set_ylim(lo - 0.05 * (hi - lo) - 1e-3, hi + 0.05 * (hi - lo) + 1e-3)
+    axes[0][0].set_ylabel("validation loss (nats/token)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -232,19 +337,20 @@ def plot(summary: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=160, help="inner steps per learner (equal tokens per M)")
     ap.add_argument("--workers", type=int, default=2, help="rows run in parallel processes")
-    ap.add_argument(
-        "--only", default="", help="comma-separated groups, or group/label-prefix for some rows, to run (default: all)"
-    )
+    ap.add_argument("--only", default="", help="comma-separated phases, or phase/label-prefix, to run (default: all)")
     ap.add_argument("--seeds", default="", help="comma-separated seeds to run (default: every row's)")
-    ap.add_argument("--tiny", action="store_true", help="the micro preset, few rows (for tests)")
+    ap.add_argument("--tiny", action="store_true", help="the micro preset, 16 steps, few rows (for tests)")
+    ap.add_argument("--missing", action="store_true", help="run only the selected rows the JSON does not hold yet")
     ap.add_argument("--out", default="benchmarks/results/quality.json")
     a = ap.parse_args(argv)
-    steps = 16 if a.tiny and a.steps == 160 else a.steps
     sel = [x for x in a.only.split(",") if x]
-
     seeds = {int(x) for x in a.seeds.split(",") if x}
+    out = Path(a.out)
+    old = json.loads(out.read_text()) if out.exists() else None
+    if old is not None and old.get("tiny") != a.tiny:
+        old = None
+    kept = list(old["results"]) if old else []
 
     def chosen(r: dict) -> bool:
         if seeds and r["seed"] not in seeds:
@@ -254,51 +360,53 @@ def main(argv: list[str] | None = None) -> int:
             for x in sel
         )
 
-    def key(r: dict) -> tuple:
-        return (r["group"], r["label"], r["M"], r["seed"])
-
-    todo = [r for r in rows(a.tiny) if chosen(r)]
     t0 = time.time()
-    results = []
+    ran: list[dict] = []
     ctx = mp.get_context("spawn")
     with ctx.Pool(max(1, a.workers)) as pool:
-        longest_first = sorted(todo, key=lambda r: -r["M"] * r.get("steps", steps))
-        for res in pool.imap_unordered(run_row, [(r, steps, a.tiny) for r in longest_first]):
-            results.append(res)
-            print(
-                f"{res['group']:12s} {res['label']:32s} M={res['M']:<3d} seed={res['seed']} "
-                f"loss {res['eval_loss']:.4f}  ({res['wall_s']:.0f} s)",
-                flush=True,
-            )
-    out = Path(a.out)
-    prior_s = 0.0
-    commands = ["python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])]
-    if a.only and out.exists():  # a partial run replaces its rows in the existing results
-        old = json.loads(out.read_text())
-        if old["tiny"] == a.tiny and old["steps"] == steps:
-            ran = {key(r) for r in todo}
-            results += [r for r in old["results"] if key(r) not in ran]
-            commands = old.get("commands", [old.get("command")]) + commands
-            prior_s = old["wall_s"]
-            todo = [r for r in rows(a.tiny) if key(r) in {key(x) for x in results}]
-    order = {key(r): i for i, r in enumerate(todo)}
+        for phase in ("sweep", "dependent"):
+            known = {key(r): r for r in kept} | {key(r): r for r in ran}
+            cands = sweep_rows(a.tiny) if phase == "sweep" else dependent_rows(list(known.values()), a.tiny)
+            todo = [r for r in cands if chosen(r) and not (a.missing and key(r) in known)]
+            if phase == "dependent" and not cands and sel != ["sweep"]:
+                print("the rows after the sweep need every sweep family: run --only sweep first", flush=True)
+            longest_first = sorted(todo, key=lambda r: -r["M"] * (4 if r["algorithm"] == "dp" else 1))
+            for res in pool.imap_unordered(run_row, [(r, a.tiny) for r in longest_first]):
+                ran.append(res)
+                print(
+                    f"{res['group']:12s} {res['label']:40s} {res['corpus']:11s} M={res['M']:<3d} seed={res['seed']} "
+                    f"loss {res['eval_loss']:.4f}  ({res['wall_s']:.0f} s)",
+                    flush=True,
+                )
+    done = {key(r) for r in ran}
+    results = [r for r in kept if key(r) not in done] + ran
+    order = {key(r): i for i, r in enumerate(sweep_rows(a.tiny) + dependent_rows(results, a.tiny))}
+    results = [r for r in results if key(r) in order]  # rows the table no longer has are dropped
     results.sort(key=lambda r: order[key(r)])
-    summary = summarize(results)
-    print(f"\n{'group':12s} {'row':34s} {'M':>3s} {'loss':>8s} {'±':>7s} seeds")
-    for s in summary:
-        print(f"{s['group']:12s} {s['label']:34s} {s['M']:3d} {s['mean']:8.4f} {s['spread']:7.4f} {s['seeds']}")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    commands = (old.get("commands", []) if old else []) + [
+        "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    ]
     doc = {
         "commands": commands,
-        "steps": steps,
         "tiny": a.tiny,
+        "regime": {
+            "tokens_per_param": TOKENS_PER_PARAM,
+            "min_periods": MIN_PERIODS,
+            "M_ref": M_REF,
+            "batch": BATCH,
+            "model": list(MODEL),
+        },
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
-        "wall_s": prior_s + time.time() - t0,
+        "wall_s": (old["wall_s"] if old else 0.0) + time.time() - t0,
         "results": results,
-        "summary": [{k: v for k, v in s.items() if k != "row"} for s in summary],
+        "summary": summarize(results),
     }
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
-    plot(summary, out.with_suffix(".png"))
+    plot(results, out.with_suffix(".png"))
+    print(f"\n{'setting':90s} {'loss':>8s} {'±':>7s} seeds")
+    for s in doc["summary"]:
+        print(f"{str(s['setting'])[:90]:90s} {s['mean']:8.4f} {s['spread']:7.4f} {len(s['seeds'])}")
     print(f"wrote {out} and {out.with_suffix('.png')} in {time.time() - t0:.0f} s")
     return 0
 

@@ -77,44 +77,74 @@ def test_goodput_benchmark_replays_one_schedule_against_each_algorithm(tmp_path)
     for run in d["runs"]:
         with open(Path(run["run_dir"]) / "metrics.jsonl") as f:
             faults = [json.loads(x) for x in f if '"fault"' in x]
-        # the same schedule, fault by fault, replayed against both algorithms
+        # the same schedule, fault by fault, replayed against both algorithms (a run that a loaded
+        # machine stretches past its window carries out more of the same seeded schedule)
         replayed = [(e["target"], e["at"]) for e in faults if e["event"] == "fault"]
-        assert replayed == scheduled[: len(replayed)] and len(replayed) >= len(scheduled) - 1
+        n = min(len(replayed), len(scheduled))
+        assert replayed[:n] == scheduled[:n] and len(replayed) >= len(scheduled) - 1
     for r in d["rows"]:
         assert 0 < r["goodput"] <= 1 and 0 <= r["uptime"] <= 1 and r["tokens_trained"] > 0
         assert r["simulated_goodput"] is None or 0 < r["simulated_goodput"] <= 1
     assert Path(out.with_suffix(".png")).stat().st_size > 10_000
 
 
-def test_quality_tiny_runs_every_algorithm_at_equal_tokens(tmp_path):
+def test_quality_tiny_sweeps_then_runs_the_winners_at_equal_tokens(tmp_path):
     out = tmp_path / "quality.json"
     run_script("quality.py", "--tiny", "--out", str(out))
     doc = json.loads(out.read_text())
-    rows = {(r["group"], r["label"]): r for r in doc["results"]}
-    main = [r for r in doc["results"] if r["group"] == "main"]
-    assert {r["algorithm"] for r in main} == {"dp", "diloco", "streaming", "decoupled"}
-    assert len({r["tokens"] for r in main}) == 1  # equal tokens: dp's one learner has an M× batch
-    assert all(3.0 < r["eval_loss"] < 5.6 for r in doc["results"])  # trained below ln(256) = 5.55
-    delta = rows[("bandwidth", "H=8, int4 both ways")]
-    full = rows[("main", "decoupled")]
-    assert delta["bytes_down_per_learner"] * 6 < full["bytes_down_per_learner"]
-    assert rows[("compression", "int2")]["bytes_up"] * 1.8 < full["bytes_up"]
+    runs = doc["results"]
+    sweep = [r for r in runs if r["group"] == "sweep"]
+    # the same number of grid points for every tuned algorithm, all at equal tokens
+    per_family = {f: sum(r["family"] == f for r in sweep) for f in {r["family"] for r in sweep}}
+    assert per_family == {
+        "dp": 2,
+        "diloco": 2,
+        "streaming": 2,
+        "decoupled/delayed": 2,
+        "decoupled/per-commit": 2,
+        "decoupled/plain": 1,
+    }
+    assert len({r["tokens"] for r in runs if r["M"] == 4}) == 1
+    assert all(3.0 < r["eval_loss"] < 5.6 for r in runs)  # trained below ln(256) = 5.55
+    # each final row repeats its family's best sweep setting at another seed
+    for r in (r for r in runs if r["group"] == "final"):
+        fam = [
+            s for s in sweep if s["algorithm"] == r["algorithm"] and sorted(s["overrides"]) == sorted(r["overrides"])
+        ]
+        assert len(fam) == 1 and r["seed"] == 1
+        same = [s for s in sweep if s.get("family") == fam[0]["family"]]
+        if r["label"] != "decoupled (tuned)":
+            assert fam[0]["eval_loss"] == min(s["eval_loss"] for s in same)
+    dec = next(r for r in runs if r["label"] == "decoupled (tuned)")
+    assert sum(o.startswith("outer.delay=") for o in dec["overrides"]) == 1
+    m1 = next(r for r in runs if r["group"] == "m1")
+    dp_best = min((r for r in sweep if r["family"] == "dp"), key=lambda r: r["eval_loss"])
+    assert m1["tokens"] == dp_best["tokens"] and set(dp_best["overrides"]) <= set(m1["overrides"])
+    int2 = next(r for r in runs if r["label"] == "int2")
+    assert (
+        int2["bytes_up"] * 1.8
+        < next(r for r in runs if r["group"] == "final" and r is not int2 and r["label"] == "decoupled (tuned)")[
+            "bytes_up"
+        ]
+    )
     assert out.with_suffix(".png").stat().st_size > 1000
 
-    # a partial rerun replaces only its group's rows
+    # a partial rerun replaces only its rows, deterministically
     run_script("quality.py", "--tiny", "--only", "compression", "--out", str(out))
     again = json.loads(out.read_text())
-    assert [(r["group"], r["label"]) for r in again["results"]] == [(r["group"], r["label"]) for r in doc["results"]]
-    assert [r["eval_loss"] for r in again["results"]] == [r["eval_loss"] for r in doc["results"]]  # deterministic
+    assert [(r["group"], r["label"]) for r in again["results"]] == [(r["group"], r["label"]) for r in runs]
+    assert [r["eval_loss"] for r in again["results"]] == [r["eval_loss"] for r in runs]  # deterministic
     assert len(again["commands"]) == 2 and "--only compression" in again["commands"][1]
 
-    # docs/RESULTS.md generated from it: the computed gap, every row's config hash, the figure
+    # docs/RESULTS.md generated from it: the computed gaps, every row's config hash, the figure
     md = tmp_path / "docs" / "RESULTS.md"
     run_script("report.py", "--results", str(tmp_path), "--out", str(md))
     text = md.read_text()
-    dp = rows[("main", "dp (1 learner, 4x batch)")]["eval_loss"]
-    gap = 100 * (full["eval_loss"] - dp) / dp
-    assert f"decoupled {gap:+.2f} %" in text
-    assert all(r["config_hash"] in text for r in doc["results"])
+    dp = [r["eval_loss"] for r in runs if r["label"] == "dp (tuned)"] + [dp_best["eval_loss"]]
+    de = [r["eval_loss"] for r in runs if r["label"] == "decoupled (tuned)"]
+    de += [s["eval_loss"] for s in sweep if sorted(s["overrides"]) == sorted(dec["overrides"])]
+    gap = 100 * (sum(de) / 2 - sum(dp) / 2) / (sum(dp) / 2)
+    assert f": {gap:+.2f} % | **{'met' if gap <= 1 else 'missed'}** |" in text
+    assert all(r["config_hash"] in text for r in runs)
     assert "Not run: `python benchmarks/bandwidth.py`" in text and "Not run: `sudo python benchmarks/wan.py`" in text
     assert (md.parent / "figures" / "quality.png").stat().st_size > 1000
