@@ -258,21 +258,20 @@ class CompressionConfig:
 class LearnerConfig:
     """How a learner installs a merged fragment: overwrite | blend (α = blend_alpha) | rebase.
 
-    `rebase` is the default: with `merge.scale_by_share` it won the receive ablation
-    (benchmarks/quality.py, docs/RESULTS.md). With K = 1 + grace and learners of different speeds
-    most rounds hold one push; each then applies its share (≈ 1/M) of that learner's progress.
+    `rebase` is the default. With K = 1 + grace and learners of different speeds most rounds hold
+    one push; each then applies its share (≈ 1/M) of that learner's progress (`merge.scale_by_share`).
     rebase keeps every learner's own unmerged progress, so nothing trained is lost; overwrite
-    throws it away and blend keeps half. Measured at M = 4 (eval loss, one seed): rebase 2.404 at
-    160 steps, 1.784 at 480 and 1.476 at 1000; blend (share-scaled) 2.357, 1.756 and 1.502;
-    synchronous DiLoCo 2.348, 1.738 and 1.487; the former default (blend, unscaled rounds, every
-    version installed) 2.349, 2.079 and 2.143. Chosen on the longest run, where only rebase beats
-    synchronous DiLoCo; blend is lower on the shorter ones.
+    throws it away and blend keeps half. In the compute-optimal quality runs (benchmarks/quality.py,
+    docs/RESULTS.md, receive table) rebase has the lowest loss at M = 4, one seed, by less than
+    the seed spread; earlier, shorter runs (up to 1000 steps) chose it as the only mode that beat
+    synchronous DiLoCo on the longest run.
 
     `install` (`dloco.publish`): `every` sends each committed version of a fragment to every
     learner; `own` (default) sends it to a learner when it merges that learner's own push (once
     per sync period), or when the learner has fallen max(1, ⌈`syncer.max_staleness` / 2⌉) versions behind.
-    Measured (M = 4, 160 steps): own 2.404 vs every 2.419 at 11.8 vs 42.9 MB received per
-    learner; with int4 both ways the measured wire ratio to fp32 dp is 183× vs 78×.
+    Measured in an earlier, 160-step version of the quality benchmark (M = 4): own 2.404 vs every
+    2.419 at 11.8 vs 42.9 MB received per learner; with int4 both ways the measured wire ratio to
+    fp32 dp was 183× vs 78×.
     """
 
     receive: str = "rebase"

@@ -57,3 +57,39 @@ def test_docs_exist_and_link_what_they_cite():
         section, key = dotted.split(".")
         cls = type(getattr(config.RunConfig(), section))
         assert key in {f.name for f in dataclasses.fields(cls)}, f"docs/SYMBOLS.md names {dotted}, not a config key"
+
+
+def test_algorithm_md_has_every_section_the_code_cites():
+    text = (ROOT / "docs" / "ALGORITHM.md").read_text()
+    headings = set(re.findall(r"^## (\d+)\. ", text, flags=re.M))
+    cited = set()
+    for path in [
+        *ROOT.glob("dloco/*.py"),
+        *ROOT.glob("actors/*.py"),
+        *ROOT.glob("benchmarks/*.py"),
+        *ROOT.glob("docs/*.md"),
+    ]:
+        cited |= set(re.findall(r"§(\d+)", path.read_text()))
+    assert cited and cited <= headings, f"cited sections {sorted(cited - headings)} are not in docs/ALGORITHM.md"
+
+
+def test_nothing_points_outside_the_repository():
+    for path in [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("dloco/*.py"), *ROOT.glob("actors/*.py")]:
+        text = path.read_text()
+        assert "../shared" not in text and "shared/docs" not in text, f"{path.name} points outside the repository"
+
+
+def test_readme_states_the_default_run_that_dloco_train_loads():
+    """README's table of what `dloco train` runs with no arguments is what `config.load()` gives."""
+    import yaml
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### What the default run does", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `([a-z_.]+)` \| `([^`]+)` \|", section, flags=re.M)
+    assert len(rows) >= 12
+    loaded = config.load().to_dict()
+    for dotted, value in rows:
+        node = loaded
+        for part in dotted.split("."):
+            node = node[part]
+        assert node == yaml.safe_load(value), f"README says {dotted} = {value}, dloco train loads {node!r}"
