@@ -169,7 +169,7 @@ def claims(q: Quality) -> list[str]:
     if q.tuned:
         best = q.qmod.best
         mom_run = min(
-            (best(q.runs, f, grid_only=False) for f in ("decoupled/delayed", "decoupled/per-commit")),
+            (r for f in ("decoupled/delayed", "decoupled/per-commit") if (r := best(q.runs, f, grid_only=False))),
             key=lambda r: r["eval_loss"],
         )
         mom, plain = q.setting_of(mom_run), q.setting_of(best(q.runs, "decoupled/plain"))
