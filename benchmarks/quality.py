@@ -13,23 +13,24 @@ computes, up to float summation order), so every comparison is at equal tokens; 
 train 2× and 4× as many tokens as M = 4. The inner schedule (warmup 10 %, cosine) spans S in
 every row.
 
-**Phases.** `sweep` (corpus stdlib, M = 4, seed 0): the same number of grid points per algorithm
-— inner lr for dp at its M× batch, outer (η, μ) for diloco, streaming and decoupled; decoupled
-both with Delayed Nesterov (N = M) and with per-commit Nesterov, plus plain averaging (η 1, μ 0).
-Then, from the sweep's best setting of each: `final` (seeds 1, 2; the table pools them with the
-sweep's seed 0), `m8` (the decisive rows at M = 8), `m1` (DiLoCo with one learner against plain
-training at equal tokens, dp's tuned lr as the inner lr of both), `merge` (RDA vs mean at M = 4, 8,
-16), `compression` (bf16, int2; int4 is the default), `receive` (overwrite, blend; rebase is
-the default), `quorum` (stragglers: K = M, K = 1 without
-and with grace), `shakespeare` (the final table on a second corpus: Shakespeare, BPE tokens).
-One invocation runs the sweep rows it selects first and then the rows that depend on them.
+**Phases.** `sweep` (corpus stdlib, M = 4, seed 0): four grid points per algorithm (`DP_LRS`,
+`GRID` × `INNER_LRS`, see below), plus the outer-optimizer study under K = 1 (Delayed and
+per-commit Nesterov at four (η, μ) each; `grid` false: it takes no part in the tuning). Then, from
+the best grid point of each: `final` (seeds 1, 2; the table pools them with the sweep's seed 0),
+`m8` (the decisive rows at M = 8), `m1` (DiLoCo with one learner against plain training at equal
+tokens, dp's tuned lr as the inner lr of both), `merge` (RDA vs mean at M = 4, 8, 16),
+`compression` (bf16, int2; int4 is the default), `receive` (overwrite, blend; rebase is the
+default), `quorum` (stragglers: K = M, K = 1 without and with grace), `scale` (dp, diloco and
+decoupled on the `tiny` preset, 0.43 M parameters, in the same regime) and `shakespeare` (the
+final table on a second corpus: Shakespeare, BPE tokens). One invocation runs the sweep rows it
+selects first and then the rows that depend on them; `--missing` runs only rows the JSON lacks.
 
 Learner speeds: learner m's step takes 1 + 0.2·m/(M−1) virtual seconds (a mildly heterogeneous
 fleet), a commit reaches the learners 0.5 s after it closes; the quorum rows instead slow half
 the learners by 20 % and add per-step jitter U(1, 1.3).
 
-Usage:  python benchmarks/quality.py [--workers 2] [--only PHASE[/LABEL-PREFIX],...] [--seeds 0,...] [--tiny]
-                                    [--out benchmarks/results/quality.json]
+Usage:  python benchmarks/quality.py [--workers 2] [--only PHASE[/LABEL-PREFIX],...] [--seeds 0,...]
+                                    [--missing] [--tiny] [--out benchmarks/results/quality.json]
 Writes  the JSON (every row with its overrides and config hash; a rerun replaces the rows it ran
         and keeps the others) and a PNG beside it. `benchmarks/report.py` turns it into docs/RESULTS.md.
 """
