@@ -76,7 +76,8 @@ def test_algorithm_md_has_every_section_the_code_cites():
 def test_nothing_points_outside_the_repository():
     for path in [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("dloco/*.py"), *ROOT.glob("actors/*.py")]:
         text = path.read_text()
-        assert "../shared" not in text and "shared/docs" not in text, f"{path.name} points outside the repository"
+        outside = ("../" + "shared", "shared" + "/docs")  # spelled apart so this file does not match itself
+        assert not any(o in text for o in outside), f"{path.name} points outside the repository"
 
 
 def test_readme_states_the_default_run_that_dloco_train_loads():
