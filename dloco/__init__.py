@@ -1,6 +1,6 @@
 """dloco: Decoupled DiLoCo — the pure library (no Ray; `actors/` wraps it in Ray actors).
 
-Public surface, one module per concept (ALGORITHM.md section in brackets):
+Public surface, one module (or package) per concept (ALGORITHM.md section in brackets):
 
 - `dloco.config`: `RunConfig` and its sections, `load`, `ConfigError` [§2]
 - `dloco.model`: the decoder-only transformer LM; `dloco.data`: corpora, tokenizers, streams

@@ -35,9 +35,9 @@ def _type_name(tp: Any) -> str:
     if isinstance(tp, type) and typing.get_origin(tp) is None:
         return tp.__name__
     text = str(tp)
-    for prefix in ("typing.", "collections.abc.", "dloco.config."):
+    for prefix in ("typing.", "collections.abc."):
         text = text.replace(prefix, "")
-    return text
+    return re.sub(r"\bdloco\.config\.(?:\w+\.)*", "", text)  # the sections live in dloco.config's modules
 
 
 def _default(f: dataclasses.Field) -> str:
@@ -172,7 +172,7 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "<!-- Generated from dloco/config.py by scripts/gen_config_docs.py; do not edit by hand.",
+        "<!-- Generated from dloco/config/ by scripts/gen_config_docs.py; do not edit by hand.",
         "     Regenerate with: python scripts/gen_config_docs.py (tests/test_docs.py fails when stale). -->",
         "",
         inspect.cleandoc(config.__doc__ or ""),

@@ -141,7 +141,7 @@ def test_cache_hit_and_content_change(tmp_path):
 
 
 def test_shards_split_by_document_count(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "SHARD_MAX_DOCS", 2)
+    monkeypatch.setattr("dloco.data.corpus.SHARD_MAX_DOCS", 2)  # read where the shards are written
     docs = {f"d{i:02d}.txt": f"doc {i}" for i in range(9)}
     source = _write_text_docs(tmp_path / "docs", docs)
     corpus = prepare_corpus(source, cache_dir=tmp_path / "cache")

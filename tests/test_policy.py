@@ -15,7 +15,6 @@ from dloco.policy import (
     NormTracker,
     RoundDecision,
     SyncerTimings,
-    check_contribution,
     check_meta,
     check_values,
     grace_window,
@@ -39,19 +38,16 @@ def meta(**kw):
     return ContributionMeta(**base)
 
 
-def check(m=None, **kw):
-    args = {
-        "registry": {0: 0, 1: 2},
-        "current_version": 9,
-        "max_staleness": 4,
-        "expected_shapes": SHAPES,
-        "shapes": SHAPES,
-        "sq_norm": 4.0,
-        "norms": None,
-        "max_norm_ratio": 3.0,
-    }
+def meta_check(m=None, **kw):
+    args = {"registry": {0: 0, 1: 2}, "current_version": 9, "max_staleness": 4}
     args.update(kw)
-    return check_contribution(m or meta(), **args)
+    return check_meta(m or meta(), **args)
+
+
+def values_check(**kw):
+    args = {"expected_shapes": SHAPES, "shapes": SHAPES, "sq_norm": 4.0, "norms": None, "max_norm_ratio": 3.0}
+    args.update(kw)
+    return check_values(**args)
 
 
 def tracker(values, window=64, warmup=3):
@@ -65,113 +61,100 @@ def tracker(values, window=64, warmup=3):
 
 
 def test_accepts_valid_contribution():
-    assert check() == Decision(True, "accepted")
+    assert meta_check() == Decision(True, "accepted")
+    assert values_check() == Decision(True, "accepted")
     # Right at the staleness limit: 9 - 5 == 4.
-    assert check(meta(base_version=5)).accept
-    assert check(meta(base_version=9)).accept
+    assert meta_check(meta(base_version=5)).accept
+    assert meta_check(meta(base_version=9)).accept
 
 
 def test_unknown_learner():
-    d = check(meta(learner_id=7))
+    d = meta_check(meta(learner_id=7))
     assert not d.accept
     assert "unknown learner 7" in d.reason and "[0, 1]" in d.reason
 
 
 def test_old_incarnation():
-    d = check(meta(incarnation=1))
+    d = meta_check(meta(incarnation=1))
     assert not d.accept
     assert d.reason.startswith("old incarnation")
     assert "incarnation 1" in d.reason and "registry has 2" in d.reason
 
 
 def test_newer_incarnation_is_unknown():
-    d = check(meta(incarnation=3))
+    d = meta_check(meta(incarnation=3))
     assert not d.accept
     assert d.reason.startswith("unknown incarnation")
     assert "incarnation 3" in d.reason and "registry has 2" in d.reason
 
 
 def test_base_version_in_future():
-    d = check(meta(base_version=10))
+    d = meta_check(meta(base_version=10))
     assert not d.accept
     assert d.reason == "base version in the future: base_version 10, current 9"
 
 
 def test_stale():
-    d = check(meta(base_version=3), current_version=9, max_staleness=4)
+    d = meta_check(meta(base_version=3), current_version=9, max_staleness=4)
     assert d == Decision(False, "stale: base_version 3, current 9, max_staleness 4")
 
 
 def test_shape_mismatch_missing_extra_wrong():
-    d = check(shapes={"w": (3, 4), "c": (1,)})
+    d = values_check(shapes={"w": (3, 4), "c": (1,)})
     assert not d.accept
     assert d.reason.startswith("shape mismatch")
     assert "missing ['b']" in d.reason
     assert "extra ['c']" in d.reason
     assert "w has (3, 4), expected (4, 3)" in d.reason
     # Lists compare equal to tuples (shapes that went through JSON).
-    assert check(shapes={"w": [4, 3], "b": [3]}).accept
+    assert values_check(shapes={"w": [4, 3], "b": [3]}).accept
 
 
 @pytest.mark.parametrize("tokens, steps", [(0, 4), (1024, 0), (-1, 4)])
 def test_empty_contribution(tokens, steps):
-    d = check(meta(tokens=tokens, steps=steps))
+    d = meta_check(meta(tokens=tokens, steps=steps))
     assert d == Decision(False, f"empty contribution: tokens {tokens}, steps {steps}")
 
 
 @pytest.mark.parametrize("step_time", [math.nan, -0.5, math.inf])
 def test_invalid_step_time(step_time):
-    d = check(meta(step_time=step_time))
+    d = meta_check(meta(step_time=step_time))
     assert not d.accept
     assert d.reason.startswith("invalid step_time") and str(step_time) in d.reason
 
 
 @pytest.mark.parametrize("sq_norm", [math.nan, math.inf])
 def test_non_finite(sq_norm):
-    d = check(sq_norm=sq_norm)
+    d = values_check(sq_norm=sq_norm)
     assert d == Decision(False, f"non-finite: sq_norm {sq_norm}")
 
 
 def test_sq_norm_none_skips_value_checks():
-    assert check(sq_norm=None, norms=tracker([1.0, 1.0, 1.0])).accept
+    assert values_check(sq_norm=None, norms=tracker([1.0, 1.0, 1.0])).accept
 
 
 def test_norm_outlier_only_after_warmup():
     # Two norms, warm-up 3: not ready, a huge norm passes.
     t = tracker([1.0, 3.0], warmup=3)
     assert not t.ready()
-    assert check(sq_norm=100.0**2, norms=t).accept
+    assert values_check(sq_norm=100.0**2, norms=t).accept
     # Third norm: median of [1, 3, 2] = 2, threshold 3 × 2 = 6.
     t.record(2.0)
     assert t.ready() and t.median() == 2.0
-    assert check(sq_norm=6.0**2, norms=t).accept  # 6 is not > 6
-    d = check(sq_norm=7.0**2, norms=t)
+    assert values_check(sq_norm=6.0**2, norms=t).accept  # 6 is not > 6
+    d = values_check(sq_norm=7.0**2, norms=t)
     assert d == Decision(False, "norm outlier: norm 7 > max_norm_ratio 3.0 × median 2 = 6")
 
 
 def test_zero_median_disables_outlier_check():
-    assert check(sq_norm=1.0, norms=tracker([0.0, 0.0, 0.0])).accept
+    assert values_check(sq_norm=1.0, norms=tracker([0.0, 0.0, 0.0])).accept
 
 
 def test_check_order_first_failure_wins():
-    # Unknown learner beats staleness; staleness beats shapes; shapes beat a non-finite norm.
-    assert check(meta(learner_id=9, base_version=0)).reason.startswith("unknown learner")
-    assert check(meta(base_version=0), shapes={}).reason.startswith("stale")
-    assert check(shapes={}, sq_norm=math.nan).reason.startswith("shape mismatch")
-
-
-def test_split_checks_agree_with_combined():
-    m = meta(base_version=3)
-    d = check_meta(m, registry={1: 2}, current_version=9, max_staleness=4)
-    assert d == check(m, registry={1: 2})
-    v = check_values(
-        expected_shapes=SHAPES,
-        shapes=SHAPES,
-        sq_norm=math.inf,
-        norms=None,
-        max_norm_ratio=3.0,
-    )
-    assert v == check(sq_norm=math.inf)
+    # Unknown learner beats staleness; staleness beats an empty contribution; shapes beat a non-finite norm.
+    assert meta_check(meta(learner_id=9, base_version=0)).reason.startswith("unknown learner")
+    assert meta_check(meta(base_version=0, tokens=0)).reason.startswith("stale")
+    assert values_check(shapes={}, sq_norm=math.nan).reason.startswith("shape mismatch")
 
 
 # ---- NormTracker ----------------------------------------------------------------------------
@@ -332,22 +315,6 @@ def test_live_learners_early_close():
     rnd2 = FragmentRound(0, quorum=2)
     push(rnd2, 0, 0.0)
     assert not rnd2.decide(0.1, grace=0.0, live_learners=1).close
-
-
-def test_drop_recomputes_quorum():
-    rnd = FragmentRound(0, quorum=2)
-    push(rnd, 0, 0.0)
-    push(rnd, 1, 1.0)
-    assert rnd.decide(1.0, grace=0.5).wait == pytest.approx(0.5)
-    assert rnd.drop(1) is True
-    assert rnd.drop(1) is False
-    assert rnd.quorum_time is None
-    assert rnd.decide(3.0, grace=0.5) == RoundDecision(False, "waiting for quorum 1/2", None)
-    push(rnd, 2, 4.0)
-    assert rnd.quorum_time == 4.0  # first push of the round was still at 0.0
-    d = rnd.decide(4.2, grace=0.5)  # new deadline 4.5
-    assert not d.close and d.wait == pytest.approx(0.3)
-    assert rnd.decide(4.5, grace=0.5).close
 
 
 def test_take_resets():

@@ -1,0 +1,167 @@
+"""The sections of `RunConfig` that define where and how long a run runs: the learners (and their
+groups), store durability, metrics cadence, fault injection and the budget."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from dloco.config.check import _check, _positive
+
+
+@dataclass(frozen=True)
+class LearnerGroup:
+    """Learners that share resources and batch size, e.g. one region's accelerators.
+
+    `batch_size` 0 takes `inner.batch_size`. `resources` are Ray custom resources each learner
+    needs (e.g. ``{region_us: 1}`` to place it on nodes that carry that label). `slowdown` ≥ 1
+    makes each step take that many times longer (emulated slower hardware). `latency_s` is the
+    emulated one-way network latency between this group's region and the syncer's: the learner's
+    transport sends each push, and hands over each merged fragment that arrived, this many seconds
+    late (a decoupled learner trains on meanwhile; blocking algorithms wait). Bandwidth is not
+    emulated here: cap the real link (`benchmarks/wan.py` uses `tc`).
+    """
+
+    name: str = "default"
+    count: int = 1
+    batch_size: int = 0
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: Mapping[str, float] = field(default_factory=dict)
+    slowdown: float = 1.0
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        pre = f"learners.groups[{self.name}]"
+        _check(self.latency_s >= 0, f"{pre}.latency_s", self.latency_s, "must be >= 0 seconds")
+        _check(self.count >= 0, f"{pre}.count", self.count, "must be >= 0")
+        _check(self.batch_size >= 0, f"{pre}.batch_size", self.batch_size, "must be >= 0 (0: inner.batch_size)")
+        _check(self.num_cpus >= 0, f"{pre}.num_cpus", self.num_cpus, "must be >= 0")
+        _check(self.num_gpus >= 0, f"{pre}.num_gpus", self.num_gpus, "must be >= 0")
+        _check(self.slowdown >= 1, f"{pre}.slowdown", self.slowdown, "must be >= 1")
+        for k, v in self.resources.items():
+            _check(v >= 0, f"{pre}.resources.{k}", v, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class LearnersConfig:
+    """M learners (ALGORITHM.md §1): `count` identical ones, or `groups` (then M = Σ counts).
+
+    Scaling a run is one line: ``learners.count=8``, or a group's ``count``. `cpu_limit` > 0 caps
+    every learner process at that many CPU cores with a Linux cgroup, so that learners sharing one
+    test machine behave like learners on their own hosts (`actors.isolation`; needs root).
+    """
+
+    count: int = 4
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: Mapping[str, float] = field(default_factory=dict)
+    xla_threads: int = 1
+    groups: tuple[LearnerGroup, ...] = ()
+    cpu_limit: float = 0.0  # emulated hosts: cap each learner process at this many cores (0: no cap)
+
+    def __post_init__(self) -> None:
+        _positive("learners", self, "xla_threads")
+        if self.groups:
+            names = [g.name for g in self.groups]
+            _check(len(set(names)) == len(names), "learners.groups", names, "group names must be unique")
+            object.__setattr__(self, "count", sum(g.count for g in self.groups))
+        _check(self.count >= 1, "learners.count", self.count, "must be >= 1")
+        _check(self.num_cpus >= 0, "learners.num_cpus", self.num_cpus, "must be >= 0")
+        _check(self.num_gpus >= 0, "learners.num_gpus", self.num_gpus, "must be >= 0")
+        _check(self.cpu_limit >= 0, "learners.cpu_limit", self.cpu_limit, "must be >= 0 cores (0: no cap)")
+        for k, v in self.resources.items():
+            _check(v >= 0, f"learners.resources.{k}", v, "must be >= 0")
+
+    def expand(self) -> list[LearnerGroup]:
+        """One entry per learner id 0..M−1 (its group)."""
+        if not self.groups:
+            g = LearnerGroup("default", self.count, 0, self.num_cpus, self.num_gpus, self.resources)
+            return [g] * self.count
+        return [g for g in self.groups for _ in range(g.count)]
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Fragment store durability: a snapshot every `snapshot_every` commits, `keep` kept."""
+
+    snapshot_every: int = 8
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        _positive("store", self, "snapshot_every", "keep")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Evaluation cadence and the uptime stall threshold (ALGORITHM.md §8)."""
+
+    eval_every_s: float = 10.0
+    stall_threshold_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _positive("metrics", self, "eval_every_s", "stall_threshold_s")
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """Seeded fault injection (ALGORITHM.md §10): the same `seed` gives the same schedule for every
+    algorithm, so one schedule can be replayed against dp, elastic_dp, diloco, streaming and decoupled.
+
+    Times are seconds of run wall time (from the run's start). Per learner, failures (real process
+    kills; Ray restarts the actor) arrive as a renewal process with Exponential(`mtbf_s`) gaps, and
+    freezes (alive but silent for `freeze_s`) with Exponential(`freeze_mtbf_s`) gaps; none before
+    `warmup_s`. `stragglers` learners (a seeded choice) run every step `straggler_factor` times
+    slower; every learner's step is further multiplied by U(1, 1 + `jitter`), drawn per step. Each
+    push is lost on the wire with probability `payload_loss` (blocking algorithms resend it after
+    `resend_s`). The syncer and the store are killed at the listed times. 0 turns a fault off.
+    """
+
+    seed: int = 0  # the schedule's seed: same seed, same faults, for every algorithm
+    mtbf_s: float = 0.0  # per-learner mean time between kills (real process kills)
+    freeze_mtbf_s: float = 0.0  # per-learner mean time between freezes
+    freeze_s: float = 5.0  # how long a freeze lasts
+    warmup_s: float = 0.0  # no learner fault before this time (the first compile)
+    stragglers: int = 0  # how many learners (a seeded choice) are slowed
+    straggler_factor: float = 1.0  # a straggler's step takes this many times longer
+    jitter: float = 0.0  # every step takes U(1, 1 + jitter) times longer, drawn per step
+    payload_loss: float = 0.0  # probability that a push is lost on the wire
+    resend_s: float = 1.0  # blocking algorithms resend a lost push after this long
+    syncer_kills_s: tuple[float, ...] = ()  # kill the syncer at these times
+    store_kills_s: tuple[float, ...] = ()  # kill the store at these times
+    horizon_s: float = 3600.0  # the schedule's length
+
+    def __post_init__(self) -> None:
+        for n in ("mtbf_s", "freeze_mtbf_s", "warmup_s", "jitter"):
+            _check(getattr(self, n) >= 0, f"chaos.{n}", getattr(self, n), "must be >= 0 (0: off)")
+        _positive("chaos", self, "freeze_s", "resend_s", "horizon_s")
+        _check(self.stragglers >= 0, "chaos.stragglers", self.stragglers, "must be >= 0")
+        _check(self.straggler_factor >= 1, "chaos.straggler_factor", self.straggler_factor, "must be >= 1")
+        _check(0 <= self.payload_loss < 1, "chaos.payload_loss", self.payload_loss, "must be in [0, 1)")
+        for n in ("syncer_kills_s", "store_kills_s"):
+            times = getattr(self, n)
+            object.__setattr__(self, n, tuple(float(t) for t in times))
+            _check(all(t > 0 for t in getattr(self, n)), f"chaos.{n}", times, "times must be > 0 seconds")
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """When a run stops: whichever of the total-token or wall-time budget is hit first (0: none).
+
+    `steps` caps each learner's local steps (0: none); a run whose learners all reached it ends.
+    """
+
+    tokens: int = 400_000
+    seconds: float = 0.0
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.tokens >= 0, "budget.tokens", self.tokens, "must be >= 0 (0: no token budget)")
+        _check(self.seconds >= 0, "budget.seconds", self.seconds, "must be >= 0 (0: no time budget)")
+        _check(self.steps >= 0, "budget.steps", self.steps, "must be >= 0 (0: no step cap)")
+        _check(
+            self.tokens > 0 or self.seconds > 0 or self.steps > 0,
+            "budget.tokens",
+            self.tokens,
+            "set budget.tokens, budget.seconds or budget.steps > 0",
+        )

@@ -1,0 +1,243 @@
+"""The sections of `RunConfig` that define the training computation: model, data, inner and outer
+optimizers, fragments, sync cadence, syncer, merge, compression and how a learner installs a merge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dloco.config.check import _check, _choice, _positive
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer LM. `vocab_size=0` takes the tokenizer's vocabulary size."""
+
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    vocab_size: int = 0
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        _positive("model", self, "d_model", "n_layers", "n_heads", "mlp_ratio", "rope_base")
+        _check(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "must be >= 0 (0: from tokenizer)")
+        _check(
+            self.d_model % self.n_heads == 0 and (self.d_model // self.n_heads) % 2 == 0,
+            "model.d_model",
+            self.d_model,
+            f"must be a multiple of model.n_heads={self.n_heads} with an even head size (rotary)",
+        )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Corpus, tokenizer and windows. `source`: stdlib | shakespeare | text:GLOB | parquet:GLOB."""
+
+    source: str = "stdlib"
+    tokenizer: str = "byte"
+    vocab_size: int = 4096  # BPE only
+    seq_len: int = 128
+    val_fraction: float = 0.05
+    max_bytes: int = 0  # 0: the whole corpus
+    cache_dir: str = "~/.cache/dloco/data"
+    eval_batches: int = 8
+    eval_batch_size: int = 16  # rows per validation batch: the same held-out set whatever the batch size
+    shards: int = 64  # disjoint data streams; learner m reads shard m, so at most this many learners
+
+    def __post_init__(self) -> None:
+        _check(
+            self.source in ("stdlib", "shakespeare") or self.source.startswith(("text:", "parquet:")),
+            "data.source",
+            self.source,
+            "must be stdlib, shakespeare, text:GLOB or parquet:GLOB",
+        )
+        _choice("data", self, "tokenizer", ("byte", "bpe"))
+        _check(self.vocab_size >= 260, "data.vocab_size", self.vocab_size, "must be >= 260 (BPE over bytes)")
+        _positive("data", self, "seq_len", "eval_batches", "eval_batch_size", "shards")
+        _check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        _check(self.max_bytes >= 0, "data.max_bytes", self.max_bytes, "must be >= 0 (0: no limit)")
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """Inner optimizer: AdamW with linear warmup then cosine decay to `lr * min_lr_ratio`."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    total_steps: int = 400  # horizon of the cosine schedule
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        _positive("inner", self, "lr", "total_steps", "eps", "grad_clip", "batch_size")
+        _check(self.warmup_steps >= 0, "inner.warmup_steps", self.warmup_steps, "must be >= 0")
+        _check(
+            self.warmup_steps < self.total_steps,
+            "inner.warmup_steps",
+            self.warmup_steps,
+            f"must be < inner.total_steps={self.total_steps}",
+        )
+        _check(0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _check(self.weight_decay >= 0, "inner.weight_decay", self.weight_decay, "must be >= 0")
+        for n in ("b1", "b2"):
+            v = getattr(self, n)
+            _check(0 <= v < 1, f"inner.{n}", v, "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Outer optimizer: SGD with Nesterov momentum, learning rate η, momentum μ, delay N.
+
+    `delay` is N of Delayed Nesterov (Liu et al. 2024, *Asynchronous Local-SGD*, Algorithm 3;
+    `dloco.outer`): each commit applies its pseudo-gradient as a plain SGD step, and the momentum
+    is updated (and applied) once per N merged contributions. With quorum K < M one sync period of
+    a fragment is committed in several partial merges; N = M updates the momentum about once per
+    period, as synchronous DiLoCo does, instead of compounding it over every partial merge.
+    1: per-commit Nesterov (momentum updated at every commit). 0: N = learners.count.
+
+    Default: plain averaging (η 1, μ 0), the winner of the tuning sweep (`benchmarks/quality.py`,
+    docs/RESULTS.md): under K = 1 every momentum setting tried, delayed or per commit, ended
+    higher; with momentum, set `outer.momentum` and keep `outer.delay` at 0 (Delayed Nesterov).
+    """
+
+    lr: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = True
+    delay: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("outer", self, "lr")
+        _check(0 <= self.momentum < 1, "outer.momentum", self.momentum, "must be in [0, 1)")
+        _check(self.delay >= 0, "outer.delay", self.delay, "must be >= 0 (0: learners.count, 1: per-commit Nesterov)")
+        _check(
+            self.nesterov or self.delay == 1 or self.momentum == 0,
+            "outer.delay",
+            self.delay,
+            "must be 1 with outer.nesterov=false (Delayed Nesterov needs the Nesterov form)",
+        )
+
+
+@dataclass(frozen=True)
+class FragmentsConfig:
+    """P disjoint parameter fragments (balanced tensor bin-packing, embedding on its own)."""
+
+    count: int = 4
+
+    def __post_init__(self) -> None:
+        _positive("fragments", self, "count")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """H = `every` inner steps between two sends of one fragment; τ = `overlap`."""
+
+    every: int = 24
+    overlap: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("sync", self, "every")
+        _check(self.overlap >= 0, "sync.overlap", self.overlap, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class SyncerConfig:
+    """Quorum K, grace factor γ, grace cap (in steps) and contribution checks."""
+
+    quorum: int = 1
+    grace_factor: float = 0.5
+    max_grace_steps: float = 1.0
+    max_staleness: int = 8
+    max_norm_ratio: float = 10.0
+    norm_warmup: int = 8
+    ema_decay: float = 0.9
+    elastic_timeout_s: float = 2.0  # elastic_dp: wait this long for a missing learner, then drop it
+
+    def __post_init__(self) -> None:
+        _positive("syncer", self, "quorum", "max_norm_ratio", "elastic_timeout_s")
+        _check(self.grace_factor >= 0, "syncer.grace_factor", self.grace_factor, "must be >= 0")
+        _check(self.max_grace_steps >= 0, "syncer.max_grace_steps", self.max_grace_steps, "must be >= 0")
+        _check(self.max_staleness >= 0, "syncer.max_staleness", self.max_staleness, "must be >= 0")
+        _check(self.norm_warmup >= 0, "syncer.norm_warmup", self.norm_warmup, "must be >= 0")
+        _check(0 <= self.ema_decay < 1, "syncer.ema_decay", self.ema_decay, "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """Merge rule for non-embedding tensors and contribution weighting (ALGORITHM.md §6).
+
+    `scale_by_share` (this project's decision, docs/ARCHITECTURE.md): a round that includes
+    only some of the live learners applies Δ scaled by its share of their token weight, so that
+    the rounds of one sync period together move Θ_p by the weighted mean of the learners'
+    progress (as a full round does), not by its sum.
+    """
+
+    rule: str = "rda"
+    weighting: str = "tokens"
+    scale_by_share: bool = True
+
+    def __post_init__(self) -> None:
+        _choice("merge", self, "rule", ("rda", "mean"))
+        _choice("merge", self, "weighting", ("tokens", "uniform"))
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """Wire formats: learner→syncer `dtype`, syncer→learner `publish` (ALGORITHM.md §7).
+
+    `publish: delta` sends each merged fragment as a difference quantized to `publish_dtype`:
+    with `learner.install: own` against the copy the store knows the learner holds (one delta per
+    delivery, `dloco.publish`), with `every` against the syncer's shadow Θ̂_p (what every
+    up-to-date learner holds); `full` sends Θ_p in float32. `int2` (ternary, 4 values per byte)
+    is the aggressive variant for ablations.
+    """
+
+    dtype: str = "int4"
+    block: int = 128
+    error_feedback: bool = True
+    publish: str = "full"
+    publish_dtype: str = "int4"
+
+    def __post_init__(self) -> None:
+        dtypes = ("fp32", "bf16", "int8", "int4", "int2")
+        _choice("compression", self, "dtype", dtypes)
+        _choice("compression", self, "publish_dtype", dtypes)
+        _choice("compression", self, "publish", ("full", "delta"))
+        _check(self.block >= 2 and self.block % 2 == 0, "compression.block", self.block, "must be an even number >= 2")
+        if "int2" in (self.dtype, self.publish_dtype):
+            _check(self.block % 4 == 0, "compression.block", self.block, "must be a multiple of 4 for int2")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """How a learner installs a merged fragment: overwrite | blend (α = blend_alpha) | rebase.
+
+    `rebase` is the default. With K = 1 + grace and learners of different speeds most rounds hold
+    one push; each then applies its share (≈ 1/M) of that learner's progress (`merge.scale_by_share`).
+    rebase keeps every learner's own unmerged progress, so nothing trained is lost; overwrite
+    throws it away and blend keeps half. In the compute-optimal quality runs (benchmarks/quality.py,
+    docs/RESULTS.md, receive table) rebase has the lowest loss at M = 4, one seed, by less than
+    the seed spread; earlier, shorter runs (up to 1000 steps) chose it as the only mode that beat
+    synchronous DiLoCo on the longest run.
+
+    `install` (`dloco.publish`): `every` sends each committed version of a fragment to every
+    learner; `own` (default) sends it to a learner when it merges that learner's own push (once
+    per sync period), or when the learner has fallen max(1, ⌈`syncer.max_staleness` / 2⌉) versions behind.
+    Measured in an earlier, 160-step version of the quality benchmark (M = 4): own 2.404 vs every
+    2.419 at 11.8 vs 42.9 MB received per learner; with int4 both ways the measured wire ratio to
+    fp32 dp was 183× vs 78×.
+    """
+
+    receive: str = "rebase"
+    blend_alpha: float = 0.5
+    install: str = "own"
+
+    def __post_init__(self) -> None:
+        _choice("learner", self, "receive", ("overwrite", "blend", "rebase"))
+        _choice("learner", self, "install", ("every", "own"))
+        _check(0 <= self.blend_alpha <= 1, "learner.blend_alpha", self.blend_alpha, "must be in [0, 1]")

