@@ -148,7 +148,12 @@ class RunHandle:
         }
         self.store = ray.remote(FragmentStore).options(name="store", **opts).remote(self.cfg_dict, str(run_dir))
         ray.get(self.store.ping.remote())
-        self.syncer = ray.remote(Syncer).options(name="syncer", **opts).remote(self.cfg_dict, "store", self.namespace)
+        # threaded: pushes are accepted on Ray's threads while one thread closes rounds
+        self.syncer = (
+            ray.remote(Syncer)
+            .options(name="syncer", max_concurrency=8, **opts)
+            .remote(self.cfg_dict, "store", self.namespace)
+        )
         ray.get(self.syncer.ping.remote())
         self.eval_loss_start = self.evaluate()
         self._record({"event": "eval", "time": time.time(), "loss": self.eval_loss_start, "tokens": 0})

@@ -1,7 +1,7 @@
 """Quality at equal tokens in the compute-optimal regime: a fair sweep, 3-seed finals, ablations.
 
-Every row is one deterministic in-process run (`actors.local.run_local`: the same learner, syncer
-and store cores the Ray actors wrap, on a virtual clock), so rows differ only in what the row
+Every row is one deterministic in-process run (`dloco.sim.run_local`: the same learner, syncer
+and store services the Ray actors wrap, on a virtual clock), so rows differ only in what the row
 changes, and each is reproducible bit for bit.
 
 **Regime.** The `mini` preset's model (d64, 2 layers) on the whole corpus, `BATCH` sequences of
@@ -262,7 +262,7 @@ def config_hash(cfg: config.RunConfig) -> str:
 
 
 def run_row(args: tuple[dict, bool]) -> dict:
-    from actors.local import run_local
+    from dloco.sim import run_local
 
     r, tiny = args
     steps, params = steps_for(r, tiny)

@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += [
             "## Quality at equal tokens (`benchmarks/quality.py`)",
             "",
-            "Every row is one deterministic in-process run (`actors/local.py`: the learner, syncer and store cores "
+            "Every row is one deterministic in-process run (`dloco/sim.py`: the learner, syncer and store services "
             "the Ray actors wrap, on a virtual clock) of the `mini` model (d_model 64, 2 layers, sequences of 64 "
             f"tokens){' in tiny test mode' if d['tiny'] else ''}. Each learner takes S steps of "
             f"{d['regime']['batch']} sequences; S is the larger of what makes M = {d['regime']['M_ref']} learners "

@@ -5,8 +5,8 @@
 - ``every``: each committed version goes to every learner (§4's loop as written). Under K = 1
   the rounds of one sync period are many (up to M per fragment), so a learner receives up to M
   merged fragments for each push it sends.
-- ``own``: m is sent fragment p when a committed version merges m's own pending push of p
-  (`due`), which happens once per sync period; the versions in between are not sent, the next
+- ``own``: m is sent fragment p when a committed version merges a push of m's that it has
+  not been told of yet (`due`), which happens once per sync period; the versions in between are not sent, the next
   delivery carries them. So that its next push stays within `syncer.max_staleness`, m is also
   sent p once it has fallen max(1, ⌈max_staleness / 2⌉) versions behind (a lost or rejected push, none
   pending, or many learners).
@@ -30,14 +30,15 @@ import numpy as np
 from dloco import compress
 
 
-def due(install: str, version: int, known: int, pending: int | None, merged: int | None, max_staleness: int) -> bool:
+def due(install: str, version: int, known: int, told: int | None, merged: int | None, max_staleness: int) -> bool:
     """Whether a learner that holds version `known` of a fragment is sent `version` of it.
 
     Args:
       install: `learner.install`.
       version: the fragment's newest committed version.
       known: the newest version the learner has of it (installed, queued or in transit).
-      pending: the step of the learner's last push of the fragment not yet installed, or None.
+      told: the step of its last push merged that it has been told of (the `included_step` of
+        its last update of the fragment), or None if not known (a store that restarted).
       merged: the step of its last push that the fragment's ledger records as merged, or None.
       max_staleness: `syncer.max_staleness`.
     """
@@ -45,8 +46,8 @@ def due(install: str, version: int, known: int, pending: int | None, merged: int
         return False
     if install == "every":
         return True
-    if pending is not None and merged is not None and merged >= pending:
-        return True
+    if merged is not None and (told is None or merged > told):
+        return True  # a push of the learner was merged since it last heard: send the result
     return version - known >= max(1, -(-max_staleness // 2))
 
 

@@ -57,6 +57,8 @@ class MergeOutcome:
     event: dict[str, Any]
     rejections: list[dict[str, Any]]
     outer_state: Any = None  # s_p after the outer step (optax state), adopted on acknowledgement
+    norms: tuple[float, ...] = ()  # per-step norms of the merged pushes, recorded on acknowledgement
+    weights: tuple[tuple[int, float], ...] = ()  # (learner, w_m) of the merged pushes, likewise
 
 
 class SyncerCore:
@@ -69,6 +71,12 @@ class SyncerCore:
       fragments: per fragment (version, values, outer-state leaves) from the store.
       registry: learner id → current incarnation, from the store.
       held: per fragment the shadow Θ̂_p from the store (publish: delta); None: Θ_p.
+      merged: per fragment, learner → (incarnation, step) of its last merged push (the store's
+        ledger): a push not newer than that is a replay and is rejected.
+
+    Nothing in a closed round's `merge` changes this object: the norm history, the weights and
+    Θ_p, s_p, v_p move only in `committed`, once the store acknowledged, so a discarded commit
+    leaves no trace, and `push` may run on another thread between `take` and `committed`.
     """
 
     def __init__(
@@ -79,6 +87,7 @@ class SyncerCore:
         fragments: list[tuple[int, dict[str, np.ndarray], list[np.ndarray]]],
         registry: Mapping[int, int],
         held: list[dict[str, np.ndarray]] | None = None,
+        merged: list[Mapping[int, tuple[int, int]]] | None = None,
     ) -> None:
         self.cfg, self.plan, self.embedding = cfg, plan, embedding
         self.version = [v for v, _, _ in fragments]
@@ -96,6 +105,9 @@ class SyncerCore:
         self._dropping: dict[int, list[int]] = {}  # fragment → learners its closing round dropped
         # fragment → learner → weight w_m of its last merged push (soft state for `share`)
         self._last_weight: list[dict[int, float]] = [{} for _ in range(plan.count)]
+        self.merged: list[dict[int, tuple[int, int]]] = [dict(x) for x in merged or [{} for _ in range(plan.count)]]
+        self._closing: dict[int, tuple[float, float, dict[int, int]]] = {}  # p → (ξ_grace, slack, registry) at take
+        self._inflight: list[set[tuple[int, int, int]]] = [set() for _ in range(plan.count)]  # taken, not acked
 
     def push(self, meta: ContributionMeta, payload: Any, now: float) -> Decision:
         """Validates a push's metadata and adds it to its fragment's round (`payload` is opaque)."""
@@ -108,9 +120,22 @@ class SyncerCore:
             self.dropped.discard(meta.learner_id)  # elastic_dp: a dropped learner is back
         if not d.accept:
             return d
+        d = self._check_replay(p, meta)
+        if not d.accept:
+            return d
         self.timings.observe_step_time(meta.learner_id, meta.step_time)
         note = self.rounds[p].add(meta, payload, now)
         return Decision(True, note or "accepted")
+
+    def _check_replay(self, p: int, meta: ContributionMeta, in_round: bool = True) -> Decision:
+        """A push of an incarnation whose step is not newer than its last merged one is a replay;
+        so is one whose round is being merged now (a blocking learner's resend, say)."""
+        if in_round and (meta.learner_id, meta.incarnation, meta.step) in self._inflight[p]:
+            return Decision(False, f"replay: step {meta.step} is in the round being merged")
+        last = self.merged[p].get(meta.learner_id)
+        if last is not None and last[0] == meta.incarnation and meta.step <= last[1]:
+            return Decision(False, f"replay: step {meta.step} was merged already (last merged step {last[1]})")
+        return Decision(True, "accepted")
 
     def grace(self) -> float:
         """ξ_grace = clamp(γ·(τ·ξ_step − ξ_quorum − ξ_sync), 0, ξ_step·max_grace_steps)."""
@@ -160,7 +185,14 @@ class SyncerCore:
             missing = sorted(self._expected() - set(r.pending))
             self.dropped.update(missing)
             self._dropping[p] = missing
-        return r.take(), grace_used
+        self._closing[p] = (self.grace(), self.slack(), dict(self.registry))
+        items = r.take()
+        self._inflight[p] = {(m.learner_id, m.incarnation, m.step) for m, _ in items}
+        return items, grace_used
+
+    def release(self, p: int) -> None:
+        """Round p's close is over (committed, discarded or failed): its pushes are no longer in flight."""
+        self._inflight[p] = set()
 
     def merge(
         self,
@@ -184,14 +216,15 @@ class SyncerCore:
         rejections, deltas, norms, metas, nbytes_in = [], [], [], [], 0
         expected = self.plan.fragments[p].shape_map
         s = self.cfg.syncer
+        grace_window, slack, registry = self._closing.pop(p, None) or (self.grace(), self.slack(), dict(self.registry))
         for meta, payload in items:
             reason = None
             if payload is None:
                 reason = lost(meta) if lost else "payload lost"
             else:
-                d = check_meta(
-                    meta, registry=self.registry, current_version=self.version[p], max_staleness=s.max_staleness
-                )
+                d = check_meta(meta, registry=registry, current_version=self.version[p], max_staleness=s.max_staleness)
+                if d.accept:
+                    d = self._check_replay(p, meta, in_round=False)
                 if d.accept:
                     try:
                         delta = {n: compress.decode(x) for n, x in payload.items()}
@@ -224,12 +257,15 @@ class SyncerCore:
         else:
             weights = np.ones(len(metas))
         pseudo_grad = merge.merge_fragment(deltas, weights, self.cfg.merge.rule, self.embedding, norms)
-        share = self.share(p, metas, weights)
+        share = self.share(p, metas, weights, registry)
         if share < 1.0:
             pseudo_grad = {n: x * np.float32(share) for n, x in pseudo_grad.items()}
         values, state = self._outer_step(self.values[p], self.state[p], pseudo_grad, len(metas))
-        for tn, m in zip(norms, metas, strict=True):  # per-step norms ‖δ‖ / c_steps (see `merge`)
-            self.norms[p].record(float(np.sqrt(sum(v * v for v in tn.values()))) / max(m.steps, 1))
+        # per-step norms ‖δ‖ / c_steps (see above), recorded when the store acknowledges
+        step_norms = tuple(
+            float(np.sqrt(sum(v * v for v in tn.values()))) / max(m.steps, 1)
+            for tn, m in zip(norms, metas, strict=True)
+        )
         held, published = self._publish(p, values)
         commit = Commit(
             fragment_id=p,
@@ -255,35 +291,39 @@ class SyncerCore:
             "staleness": [self.version[p] - m.base_version for m in metas],
             "cycle_s": [m.cycle_time for m in metas],
             "grace_s": grace_used,
-            "grace_window_s": self.grace(),
-            "slack_s": self.slack(),
+            "grace_window_s": grace_window,
+            "slack_s": slack,
             "bytes_in": nbytes_in,
             "bytes_out": sum(v.nbytes for v in (published or values).values()),
             "rejected": len(rejections),
         }
         if self.elastic:
             event["dropped"] = self._dropping.pop(p, [])
-        return MergeOutcome(commit, event, rejections, state)
+        recorded = tuple((m.learner_id, float(w)) for m, w in zip(metas, np.asarray(weights, np.float64), strict=True))
+        return MergeOutcome(commit, event, rejections, state, step_norms, recorded)
 
-    def share(self, p: int, metas: list[ContributionMeta], weights: np.ndarray) -> float:
+    def share(
+        self, p: int, metas: list[ContributionMeta], weights: np.ndarray, registry: Mapping[int, int] | None = None
+    ) -> float:
         """The round's share of the live learners' weight: Σ_round w_m / (Σ_round w_m + Σ_absent ŵ_i).
 
         ŵ_i is the weight of learner i's last merged push to fragment p (the mean of the known
         ones for a learner not seen yet); the live learners are the registry's. 1 for dp and
         elastic_dp (their rounds are complete by construction) and with `merge.scale_by_share`
-        off. Records the round's weights for the next rounds.
+        off. The round's own weights count as its learners' last (`committed` records them).
         """
         w = np.asarray(weights, np.float64)
-        last = self._last_weight[p]
+        registry = self.registry if registry is None else registry
+        last = dict(self._last_weight[p])
         for m, wm in zip(metas, w, strict=True):
             last[m.learner_id] = float(wm)
         if self.dp or not self.cfg.merge.scale_by_share:
             return 1.0
         present = {m.learner_id for m in metas}
-        absent = [i for i in self.registry if i not in present]
+        absent = [i for i in registry if i not in present]
         if not absent:
             return 1.0
-        known = [w_i for i, w_i in last.items() if i in self.registry]
+        known = [w_i for i, w_i in last.items() if i in registry]
         fallback = float(np.mean(known)) if known else float(w.mean())
         missing = sum(last.get(i, fallback) for i in absent)
         return float(w.sum() / (w.sum() + missing))
@@ -300,11 +340,17 @@ class SyncerCore:
         return held, q
 
     def committed(self, outcome: MergeOutcome, sync_time: float) -> None:
-        """The store acknowledged `outcome.commit`: adopt Θ_p, s_p, v_p (Θ̂_p); ξ_sync ← EMA(sync_time)."""
+        """The store acknowledged `outcome.commit`: adopt Θ_p, s_p, v_p (Θ̂_p), the round's norms,
+        weights and merged steps; ξ_sync ← EMA(sync_time)."""
         c = outcome.commit
         p = c.fragment_id
         self.values[p], self.version[p], self.state[p] = c.values, c.version, outcome.outer_state
         self.held[p] = c.values if c.held is None else c.held
+        for n in outcome.norms:
+            self.norms[p].record(n)
+        self._last_weight[p].update(outcome.weights)
+        for mp in c.merged:
+            self.merged[p][mp.learner_id] = (mp.incarnation, mp.step)
         self.timings.observe_sync_time(sync_time)
 
     def reload(
@@ -316,6 +362,7 @@ class SyncerCore:
         held: dict[str, np.ndarray] | None = None,
     ) -> None:
         """Adopt the store's state of fragment p (after a rejected commit or a store restart)."""
+        self._closing.pop(p, None)
         self.version[p], self.values[p] = version, dict(values)
         self.held[p] = dict(values if held is None else held)
         self.state[p] = outer.state_from_numpy(outer.outer_config(self.cfg), values, state)

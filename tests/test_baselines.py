@@ -6,9 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from actors.local import run_local
 from dloco import build, compress, config, fragments, inner, outer
 from dloco.policy import ContributionMeta
+from dloco.sim import run_local
 from dloco.syncer import SyncerCore
 
 DP_SAFE = ("sync.", "fragments.")  # the tiny-run overrides dp replaces with its own (H = P = 1, τ = 0)

@@ -3,32 +3,33 @@
 import numpy as np
 import pytest
 
-from actors.local import run_local
 from dloco import build, compress, config, inner
 from dloco.learner import Delivery, LearnerCore
 from dloco.publish import Copies, due
+from dloco.sim import run_local
 
 STEPS, TIMES = 48, [1.0, 1.1, 1.3]
 
 
 def test_every_sends_each_newer_version():
-    assert due("every", 5, 4, pending=10, merged=None, max_staleness=8)
-    assert not due("every", 4, 4, pending=None, merged=None, max_staleness=8)
+    assert due("every", 5, 4, told=0, merged=None, max_staleness=8)
+    assert not due("every", 4, 4, told=None, merged=None, max_staleness=8)
 
 
-def test_own_sends_when_the_learners_push_is_merged_or_it_falls_half_the_staleness_bound_behind():
-    # its push of step 24 is merged: sent, however few versions behind
-    assert due("own", 5, 4, pending=24, merged=24, max_staleness=8)
-    # another learner's merge (its last merged push is step 0, the pending one is 24): not sent ...
-    assert not due("own", 5, 4, pending=24, merged=0, max_staleness=8)
-    assert not due("own", 7, 4, pending=24, merged=0, max_staleness=8)
-    # ... until it is ceil(8 / 2) = 4 versions behind, pending push or not
-    assert due("own", 8, 4, pending=24, merged=0, max_staleness=8)
-    assert not due("own", 7, 4, pending=None, merged=None, max_staleness=8)
-    assert due("own", 8, 4, pending=None, merged=None, max_staleness=8)
-    assert due("own", 6, 3, pending=None, merged=None, max_staleness=5)  # ceil(5 / 2) = 3
-    assert due("own", 5, 4, pending=None, merged=None, max_staleness=0)  # never less than one version
-    assert not due("own", 4, 4, pending=24, merged=24, max_staleness=8)  # nothing newer
+def test_own_sends_when_a_push_it_was_not_told_of_is_merged_or_it_falls_half_the_staleness_bound_behind():
+    # its push of step 24 is merged and it was last told of step 0: sent, however few versions behind
+    assert due("own", 5, 4, told=0, merged=24, max_staleness=8)
+    assert due("own", 5, 4, told=None, merged=24, max_staleness=8)  # a store that restarted: sent
+    # another learner's merge (its last merged push is step 0, which it knows of): not sent ...
+    assert not due("own", 5, 4, told=0, merged=0, max_staleness=8)
+    assert not due("own", 7, 4, told=0, merged=0, max_staleness=8)
+    # ... until it is ceil(8 / 2) = 4 versions behind, merged push or not
+    assert due("own", 8, 4, told=0, merged=0, max_staleness=8)
+    assert not due("own", 7, 4, told=None, merged=None, max_staleness=8)
+    assert due("own", 8, 4, told=None, merged=None, max_staleness=8)
+    assert due("own", 6, 3, told=None, merged=None, max_staleness=5)  # ceil(5 / 2) = 3
+    assert due("own", 5, 4, told=None, merged=None, max_staleness=0)  # never less than one version
+    assert not due("own", 4, 4, told=0, merged=24, max_staleness=8)  # nothing newer
 
 
 def test_copies_send_one_delta_for_skipped_versions_and_track_the_target():

@@ -1,10 +1,10 @@
-"""The in-process run (actors/local.py): determinism and token weighting across unequal learners."""
+"""The in-process run (dloco/sim.py): determinism and token weighting across unequal learners."""
 
 import numpy as np
 import pytest
 
-from actors.local import run_local
 from dloco import config
+from dloco.sim import run_local
 
 
 def test_batch_sizes_set_the_weights(tiny_run, tmp_path):

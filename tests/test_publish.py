@@ -5,9 +5,9 @@ that missed a version refuses the delta (and is given Θ̂_p in full)."""
 import numpy as np
 import pytest
 
-from actors.local import run_local
 from dloco import compress, config
 from dloco.learner import Delivery
+from dloco.sim import run_local
 from dloco.store import StoreCore
 
 DELTA = ("compression.publish=delta", "compression.publish_dtype=int4", "learner.install=every")

@@ -135,7 +135,7 @@ def test_payload_lost_with_its_dead_owner_is_skipped_not_fatal(ray_cluster, cfg_
 def test_ray_run_equals_in_process_run_on_a_fixed_schedule(ray_cluster, cfg_for, tmp_path):
     """K = M, γ = 0, equal speeds, overwrite (streaming, blocking after τ): the same global model."""
     from actors.launch import start
-    from actors.local import run_local
+    from dloco.sim import run_local
 
     cfg = cfg_for(
         "algorithm=streaming",

@@ -1,0 +1,65 @@
+"""The Ray transport for `dloco.services`: payloads in the object store, peers as named actors.
+
+`RayTransport` puts a payload into the object store (owned by the putting process, so it dies
+with it: `PayloadLostError`); `WallClock` is the machine's clock; `StoreHandle` turns a service's
+calls on the store into Ray calls it waits for (a restarting store answers once it is back:
+every store method is safe to retry); `SyncerHandle` announces a push without waiting, after the
+learner group's emulated latency (`learners.groups[].latency_s`) when it has one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+
+from dloco.services.wire import PayloadLostError
+
+
+class RayTransport:
+    def put(self, obj: Any) -> ray.ObjectRef:
+        return ray.put(obj)
+
+    def get(self, ref: ray.ObjectRef) -> Any:
+        try:
+            return ray.get(ref)
+        except RayError as e:  # OwnerDiedError / ObjectLostError: its owner died with it
+            raise PayloadLostError(type(e).__name__) from None
+
+
+class WallClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+
+class StoreHandle:
+    """Blocking calls on the store actor (`actors.store.FragmentStore`)."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def __getattr__(self, name: str):
+        method = getattr(self.actor, name)
+        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+
+
+class SyncerHandle:
+    """One-way pushes to the syncer actor, `latency` seconds late (an emulated WAN link)."""
+
+    def __init__(self, actor, latency: float = 0.0) -> None:
+        self.actor, self.latency = actor, latency
+
+    def push(self, meta, ref) -> None:
+        if self.latency > 0:
+            threading.Timer(self.latency, self._announce, (meta, ref)).start()
+        else:
+            self._announce(meta, ref)
+
+    def _announce(self, meta, ref) -> None:
+        self.actor.push.remote(meta, [ref])  # in a list: the syncer gets the ref, not the payload

@@ -1,0 +1,177 @@
+"""The learner's protocol (ALGORITHM.md §4, §9, §10) around `dloco.learner.LearnerCore`.
+
+On construction a learner registers with the store (a new incarnation), installs the held
+fragments Θ̂_p and resumes its data stream from its merged cursor. `step` trains one batch and
+sends the pushes that fell due: the payload is put with the transport and announced to the
+syncer. `receive` takes the store's updates: the payload is fetched and queued for install; a delta
+on top of a version the learner does not hold, or a payload that cannot be fetched any more, is
+replaced by a fetch of Θ̂_p in full.
+
+Chaos (`dloco.chaos`, decided by the config's seed): a push drawn as lost is not sent. Blocking
+algorithms (dp, elastic_dp, diloco, streaming) wait for the merge of each push; a push whose merge
+has not come `chaos.resend_s` after it was sent (or lost) is sent again (`resend_due`), which also
+recovers a round a restarted syncer forgot. Straggling and freezes are time, which the driver
+(`actors.learner` or `dloco.sim`) spends; `step_factor` says how much.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dloco import build, chaos
+from dloco.config import RunConfig
+from dloco.data import Cursor
+from dloco.learner import Delivery, LearnerCore, Push
+from dloco.services.wire import Clock, PayloadLostError, StorePeer, SyncerPeer, Transport, Update
+
+
+class LearnerService:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        learner_id: int,
+        store: StorePeer,
+        syncer: SyncerPeer,
+        transport: Transport,
+        clock: Clock,
+        mesh,
+    ) -> None:
+        self.cfg, self.learner_id = cfg, learner_id
+        self.store, self.syncer, self.transport, self.clock = store, syncer, transport, clock
+        bp = build.blueprint(cfg)
+        reg = store.register(learner_id)
+        versions, fragments = store.fragments(held=True, learner_id=learner_id)
+        cursor = Cursor.from_dict(reg.cursor) if reg.cursor else None
+        batch = build.learner_batch_size(cfg, learner_id)
+        stream = build.stream(cfg, bp.corpus.load_split("train"), learner_id, cursor, batch)
+        self.core = LearnerCore(
+            cfg, learner_id, reg.incarnation, bp.model, mesh, bp.plan, fragments, versions, stream, reg.step
+        )
+        groups = cfg.learners.expand()
+        self.group = groups[min(learner_id, len(groups) - 1)]
+        self.straggler = learner_id in chaos.stragglers(cfg.chaos, cfg.learners.count)
+        self.start_step = reg.step
+        self.unacked: dict[int, tuple[float, Push]] = {}  # blocking: fragment → (sent or lost at, push)
+        self.events: list[dict] = []
+        self.pushes = self.installs = self.bytes_out = self.bytes_in = 0
+
+    @property
+    def incarnation(self) -> int:
+        return self.core.incarnation
+
+    def step_factor(self) -> float:
+        """How much longer than a plain step the step just taken lasts: group slowdown × chaos."""
+        c = self.core
+        return self.group.slowdown * chaos.step_factor(self.cfg.chaos, self.learner_id, c.step_count, self.straggler)
+
+    def ready(self) -> bool:
+        """Installs what is due; False while a blocking learner still waits for a merge."""
+        self.core.apply_inbox()
+        return not self.core.waiting_for()
+
+    def step(self, step_time: float, cycle_time: float | None = None) -> dict[str, float]:
+        """One inner step (the caller checked `ready`); sends the pushes that fell due."""
+        metrics, pushes = self.core.step(step_time=step_time, cycle_time=cycle_time)
+        for push in pushes:
+            m = push.meta
+            if self.core.blocking:
+                self.unacked[m.fragment_id] = (self.clock.now(), push)
+            if chaos.payload_lost(self.cfg.chaos, m.learner_id, m.incarnation, m.step, m.fragment_id):
+                self.events.append(
+                    {
+                        "event": "payload_lost",
+                        "time": self.clock.wall(),
+                        "learner": m.learner_id,
+                        "fragment": m.fragment_id,
+                        "step": m.step,
+                        "bytes": push.nbytes,
+                    }
+                )
+                continue
+            self._send(push)
+        return metrics
+
+    def _send(self, push: Push) -> None:
+        ref = self.transport.put(push.payload)
+        self.pushes += 1
+        self.bytes_out += push.nbytes
+        self.syncer.push(dataclasses.replace(push.meta, sent_at=self.clock.wall()), ref)
+
+    def resend_due(self) -> float | None:
+        """Blocking algorithms: sends again each push waited on for `chaos.resend_s` without its
+        merge; returns when (on the service's clock) the next resend falls due (None: none)."""
+        waiting, now, resend = set(self.core.waiting_for()), self.clock.now(), self.cfg.chaos.resend_s
+        for p in list(self.unacked):
+            if p not in self.core.outstanding:
+                del self.unacked[p]  # merged and installed
+        nxt = None
+        for p, (t, push) in self.unacked.items():
+            if p not in waiting:
+                continue
+            if now >= t + resend:
+                self.events.append(
+                    {
+                        "event": "payload_resent",
+                        "time": self.clock.wall(),
+                        "learner": self.learner_id,
+                        "fragment": p,
+                        "step": push.meta.step,
+                    }
+                )
+                self.unacked[p] = (now, push)
+                self._send(push)
+                t = now
+            nxt = t + resend if nxt is None else min(nxt, t + resend)
+        return nxt
+
+    def receive(self, updates: list[Update]) -> None:
+        """Queues the store's updates for install (fetching Θ̂_p in full where needed)."""
+        for u in updates:
+            try:
+                obj = self.transport.get(u.ref)
+            except PayloadLostError:  # the publication went with a restarted store: fetch it directly
+                self._fetch_full(u.fragment_id)
+                continue
+            if u.kind == "delta":
+                d = Delivery(u.fragment_id, u.version, None, u.included_step, delta=obj, base_version=u.base_version)
+            else:
+                d = Delivery(u.fragment_id, u.version, obj, u.included_step)
+            if self.core.receive(d):
+                self.bytes_in += d.nbytes
+            else:  # a delta on top of a version it missed
+                self._fetch_full(u.fragment_id)
+            self.installs += 1
+
+    def _fetch_full(self, p: int) -> None:
+        version, values, included = self.store.held(p, self.learner_id)
+        d = Delivery(p, version, values, included)
+        self.core.receive(d)
+        self.bytes_in += d.nbytes
+
+    def known(self, in_transit: list[Update] = ()) -> list[int]:
+        """Newest version of each fragment this learner has: installed, queued or `in_transit`."""
+        known = list(self.core.version)
+        for d in [*self.core.inbox.values(), *in_transit]:
+            known[d.fragment_id] = max(known[d.fragment_id], d.version)
+        return known
+
+    def status(self) -> dict:
+        c = self.core
+        return {
+            "learner": self.learner_id,
+            "incarnation": c.incarnation,
+            "step": c.step_count,
+            "steps_this_incarnation": c.step_count - self.start_step,
+            "tokens": c.step_count * c.tokens_per_step,
+            "tokens_this_incarnation": (c.step_count - self.start_step) * c.tokens_per_step,
+            "resyncs": c.resyncs,
+            "pushes": self.pushes,
+            "installs": self.installs,
+            "bytes_out": self.bytes_out,
+            "bytes_in": self.bytes_in,
+            "versions": list(c.version),
+        }
+
+    def drain_events(self) -> list[dict]:
+        events, self.events = self.events, []
+        return events

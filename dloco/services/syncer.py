@@ -1,0 +1,134 @@
+"""The syncer's protocol (ALGORITHM.md §5, §6) around `dloco.syncer.SyncerCore`.
+
+`SyncerService.push` validates a contribution into its fragment's round (the payload stays where
+the transport put it); `run_due` closes the rounds that are due: get the payloads (a payload lost
+with its owner counts as a missing contribution), merge, send the commit to the store, and only
+once the store acknowledged adopt the result (`SyncerCore.committed`); a rejected commit (the
+store moved on, e.g. restored) makes the syncer adopt the store's state and drop the round.
+
+On (re)start the state comes from the store: Θ_p, s_p, v_p, the registry, Θ̂_p and the last
+merged step of every learner; pending pushes are soft state that blocking learners resend and
+decoupled learners replace with their next push. `push` and `run_due` may run on different
+threads: they share the round state under one lock, and the merge itself reads only what `take`
+fixed for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from typing import Any
+
+from dloco import build
+from dloco.config import RunConfig
+from dloco.policy import ContributionMeta, Decision
+from dloco.services.wire import Clock, PayloadLostError, StorePeer, Transport
+from dloco.syncer import SyncerCore
+
+
+class SyncerService:
+    def __init__(self, cfg: RunConfig, store: StorePeer, transport: Transport, clock: Clock) -> None:
+        self.cfg, self.store, self.transport, self.clock = cfg, store, transport, clock
+        bp = build.blueprint(cfg)
+        frs, registry, held, merged = store.syncer_state()
+        self.core = SyncerCore(cfg, bp.plan, bp.embedding, frs, registry, held, merged)
+        self.lock = threading.Lock()
+        self.events: list[dict] = [{"event": "syncer_start", "time": clock.wall(), "versions": list(self.core.version)}]
+
+    def push(self, meta: ContributionMeta, ref: Any) -> Decision:
+        """Accepts or rejects one contribution; `ref` is where the transport put its payload."""
+        if self.core.registry.get(meta.learner_id) != meta.incarnation:
+            registry = self.store.registry()  # a (re)started learner the syncer has not seen yet
+            with self.lock:
+                self.core.update_registry(registry)
+        with self.lock:
+            d = self.core.push(meta, ref, self.clock.now())
+            if not d.accept:
+                self.events.append(_rejection(meta, d.reason, self.clock.wall()))
+        return d
+
+    def run_due(self) -> float | None:
+        """Closes every round that is due; returns the seconds until the next deadline (None: none)."""
+        while True:
+            try:
+                with self.lock:
+                    due, wait = self.core.ready(self.clock.now(), live_learners=len(self.core.registry))
+                for p in due:
+                    self.close(p)
+            except Exception as e:  # a failed round is reported; its fragment is tried again later
+                self.events.append(
+                    {
+                        "event": "syncer_error",
+                        "time": self.clock.wall(),
+                        "error": repr(e),
+                        "trace": traceback.format_exc(limit=5),
+                    }
+                )
+                return 0.1
+            if not due:
+                return wait
+
+    def close(self, p: int) -> None:
+        try:
+            self._close(p)
+        finally:
+            with self.lock:
+                self.core.release(p)
+
+    def _close(self, p: int) -> None:
+        t0 = self.clock.now()
+        with self.lock:
+            items, grace_used = self.core.take(p, t0)
+        pairs, lost = [], {}
+        for meta, ref in items:
+            try:
+                pairs.append((meta, self.transport.get(ref)))
+            except PayloadLostError as e:
+                pairs.append((meta, None))
+                lost[(meta.learner_id, meta.step)] = f"payload lost: {e}"
+        outcome = self.core.merge(p, pairs, grace_used=grace_used, lost=lambda m: lost[(m.learner_id, m.step)])
+        wall = self.clock.wall()
+        self.events.extend({**r, "time": wall} for r in outcome.rejections)
+        if outcome.commit is None:
+            return
+        result = self.store.commit(outcome.commit)
+        if result.accepted:
+            with self.lock:
+                self.core.committed(outcome, self.clock.now() - t0)
+            ages = [round(wall - m.sent_at, 3) for m, _ in items if m.learner_id in outcome.event["contributors"]]
+            self.events.append(
+                {**outcome.event, "time": self.clock.wall(), "sync_s": self.clock.now() - t0, "push_age_s": ages}
+            )
+        else:  # the store moved on (e.g. restored): adopt its state, the round's work is dropped
+            frs, _, held, _ = self.store.syncer_state()
+            version, values, state = frs[p]
+            with self.lock:
+                self.core.reload(p, version, values, state, held[p])
+            self.events.append({"event": "commit_rejected", "time": wall, "fragment": p, "reason": result.reason})
+
+    def status(self) -> dict:
+        with self.lock:
+            return {
+                "versions": list(self.core.version),
+                "pending": [len(r.pending) for r in self.core.rounds],
+                "grace_s": self.core.grace(),
+                "slack_s": self.core.slack(),
+            }
+
+    def drain_events(self) -> list[dict]:
+        with self.lock:
+            events, self.events = self.events, []
+            return events
+
+
+def _rejection(meta: ContributionMeta, reason: str, wall: float) -> dict:
+    return {
+        "event": "rejection",
+        "time": wall,
+        "fragment": meta.fragment_id,
+        "learner": meta.learner_id,
+        "incarnation": meta.incarnation,
+        "step": meta.step,
+        "base_version": meta.base_version,
+        "reason": reason,
+    }
