@@ -58,6 +58,7 @@ def train(args: argparse.Namespace) -> int:
         sys.stderr.write("\n")
     from dloco.metrics import table
 
+    assert summary is not None, "stop() joins the run's thread, which writes the summary"
     print(table(summary))
     return 0
 

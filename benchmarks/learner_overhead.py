@@ -14,7 +14,7 @@ Measured in one run, on one local Ray cluster started by the script (this machin
             ``ray.put`` of each compressed push into the object store, ``syncer.push`` calls — but
             has no merged fragments to install, and so does the same arithmetic as the bare loop.
    Both get the XLA/OMP/compilation-cache environment the launcher gives learner actors
-   (`actors.launch._worker_env`): the subprocess in its environment, the actor in its runtime_env.
+   (`actors.workers.worker_env`): the subprocess in its environment, the actor in its runtime_env.
    Both are started and warmed up (`warmup` untimed steps: compile), then they take turns: timed
    chunks of `chunk` steps alternate bare, actor, bare, actor, ... (the idle one waits, using no
    CPU), each timed by the driver around one request (one pipe round trip vs one Ray call), so
@@ -32,7 +32,7 @@ Measured in one run, on one local Ray cluster started by the script (this machin
    process, it imported JAX and built its blueprint) and kill -> the first merge that includes
    learner 1 in its new incarnation (compiled, trained to its next push, and the syncer merged
    it). Repeated `--rejoins` times. The launcher points JAX's persistent compilation cache at
-   ``~/.cache/dloco/jax`` (`_worker_env`); the report says how many entries it held before the
+   ``~/.cache/dloco/jax`` (`worker_env`); the report says how many entries it held before the
    run and how many each rejoin added (0: the restarted learner compiled from the cache).
 
 Prints a table (operation, value, unit) and writes every raw number, the configs, the CPU count
@@ -219,10 +219,10 @@ class ActorLearner:
 
 def _learner_env(cfg) -> dict[str, str]:
     """The environment `actors.launch` gives a learner of this config (GPU with --gpu)."""
-    from actors.launch import _worker_env
+    from actors.workers import worker_env
 
     g = cfg.learners.expand()[0]
-    return _worker_env(cfg, accelerator=g.num_gpus > 0, shared_gpu=0 < g.num_gpus < 1)
+    return worker_env(cfg, accelerator=g.num_gpus > 0, shared_gpu=0 < g.num_gpus < 1)
 
 
 def _find_pid(title: str) -> int | None:
@@ -341,9 +341,10 @@ def wait_for(pred, timeout: float, what: str, every: float = 0.1):
 
 
 def rejoins(cfg, n: int, timeout: float = 300.0) -> dict:
-    from actors.launch import _worker_env, start
+    from actors.launch import start
+    from actors.workers import worker_env
 
-    cache = Path(_worker_env(cfg, accelerator=False)["JAX_COMPILATION_CACHE_DIR"])
+    cache = Path(worker_env(cfg, accelerator=False)["JAX_COMPILATION_CACHE_DIR"])
     entries_at_start = cache_entries(cache)
     run_dir = Path(tempfile.mkdtemp(prefix="dloco-rejoin-"))
     t0 = time.time()

@@ -76,6 +76,7 @@ class Payload:
     def __post_init__(self):
         _check_dtype_block(self.dtype, self.block)
         n = _size(self.shape)
+        expected: type[np.generic]
         if self.dtype in _LEVELS:
             n_blocks = -(-n // self.block)
             n_data = n_blocks * self.block // _PER_BYTE[self.dtype]
@@ -87,7 +88,8 @@ class Payload:
                 )
         else:
             n_data = n
-            expected = {"fp32": np.float32, "bf16": np.uint16}[self.dtype]
+            raw: dict[str, type[np.generic]] = {"fp32": np.float32, "bf16": np.uint16}
+            expected = raw[self.dtype]
             if self.scales is not None:
                 raise ValueError(f"Payload {self.dtype}: scales must be None")
         if self.data.dtype != expected or self.data.size != n_data:
@@ -168,6 +170,7 @@ def decode(p: Payload) -> np.ndarray:
     if p.dtype == "bf16":
         return p.data.view(ml_dtypes.bfloat16).astype(np.float32).reshape(p.shape)
     n = _size(p.shape)
+    assert p.scales is not None  # Payload.__post_init__: the integer dtypes carry scales
     n_blocks = p.scales.shape[0]
     out = np.empty((n_blocks, p.block), np.float32)
     scales = p.scales.astype(np.float32)

@@ -23,7 +23,7 @@ The Ray actor in `actors/learner.py` is a thin wrapper around this class.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +67,10 @@ class Delivery:
     @property
     def nbytes(self) -> int:
         """Bytes on the wire: the payloads of a delta, else the float32 values."""
-        return sum(x.nbytes for x in (self.delta or self.values).values())
+        if self.delta:
+            return sum(q.nbytes for q in self.delta.values())
+        assert self.values is not None, "a delivery carries values or a delta"
+        return sum(x.nbytes for x in self.values.values())
 
 
 @dataclass
@@ -101,7 +104,7 @@ class LearnerCore:
         model,
         mesh,
         plan: FragmentPlan,
-        fragments: list[Mapping[str, np.ndarray]],
+        fragments: Sequence[Mapping[str, np.ndarray]],
         versions: list[int],
         stream: TokenStream,
         step: int = 0,
@@ -185,8 +188,9 @@ class LearnerCore:
             return None
         cfg = self.cfg.compression
         payload, residual = {}, {}
+        previous = self.residual[p]
         for n, delta in pseudo_grad.items():
-            e = self.residual[p][n] if (cfg.error_feedback and self.residual[p] is not None) else None
+            e = previous[n] if (cfg.error_feedback and previous is not None) else None
             payload[n], residual[n] = compress.encode_with_feedback(delta, e, cfg.dtype, cfg.block)
         if cfg.error_feedback:
             self.residual[p] = residual
@@ -228,6 +232,7 @@ class LearnerCore:
             return True
         if d.delta is not None:
             base_version, base = (old.version, old.values) if old is not None else (self.version[p], self.anchor[p])
+            assert base is not None  # the inbox holds values: a delta is applied here, on arrival
             if base_version != (d.version - 1 if d.base_version is None else d.base_version):
                 return False
             values = {n: base[n] + compress.decode(q) for n, q in d.delta.items()}
@@ -256,6 +261,7 @@ class LearnerCore:
             if s is not None and self.state.step < s + self.cfg.sync.overlap:
                 continue
             d = self.inbox.pop(p)
+            assert d.values is not None  # receive() applies a delta before queueing it
             self.install(p, d.version, d.values, d.included_step)
             self.outstanding.pop(p, None)
             done.append(p)
@@ -288,6 +294,7 @@ class LearnerCore:
             and not included
             and version - record.base_version > self.cfg.syncer.max_staleness
         )
+        new: dict[str, np.ndarray]
         if mode == "overwrite":
             new = {n: np.asarray(v, np.float32) for n, v in values.items()}
         else:
@@ -297,13 +304,13 @@ class LearnerCore:
             elif given_up:  # rebase, but the pending push can no longer be merged: resynchronize
                 new = {n: np.asarray(v, np.float32) for n, v in values.items()}
             else:  # rebase
-                base = record.theta if included else self.anchor[p]
+                base = record.theta if record is not None and included else self.anchor[p]
                 new = {n: values[n] + (theta[n] - base[n]) for n in values}
         if mode != "rebase" or given_up:
             self.resyncs += given_up
             self.c_tok[p] = self.c_steps[p] = 0
             self.last_push[p] = None
-        elif included:
+        elif record is not None and included:
             self.c_tok[p] -= record.tokens
             self.c_steps[p] -= record.steps
             self.last_push[p] = None

@@ -58,7 +58,7 @@ def _flat(deltas: Sequence[np.ndarray]) -> tuple[list[np.ndarray], tuple[int, ..
     return flats, shape
 
 
-def _combine(flats: list[np.ndarray], coefs: Sequence[float]) -> np.ndarray:
+def _combine(flats: list[np.ndarray], coefs: Sequence[float] | np.ndarray) -> np.ndarray:
     """Σ_m coefs[m] · flats[m], float32, chunked."""
     n = flats[0].size
     out = np.empty(n, dtype=np.float32)
@@ -93,13 +93,13 @@ def rda(
     """
     flats, shape = _flat(deltas)
     w = _normalized(weights, len(flats))
-    norms = np.array([_norm(f) for f in flats] if norms is None else norms, dtype=np.float64)
-    unit_coefs = np.divide(w, norms, out=np.zeros_like(w), where=norms > 0)
+    r = np.array([_norm(f) for f in flats] if norms is None else norms, dtype=np.float64)
+    unit_coefs = np.divide(w, r, out=np.zeros_like(w), where=r > 0)
     direction = _combine(flats, unit_coefs)  # Σ w̃_m unit(δ_m)
     dnorm = _norm(direction)
     if dnorm < DIRECTION_EPS:
         return _combine(flats, w).reshape(shape)
-    direction *= np.float32(float(w @ norms) / dnorm)
+    direction *= np.float32(float(w @ r) / dnorm)
     return direction.reshape(shape)
 
 

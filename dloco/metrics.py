@@ -54,8 +54,13 @@ def uptime(
             if t - prev > stall_threshold:
                 stalled.append((prev + stall_threshold, t))
             prev = max(prev, t)
-    total, cur_lo, cur_hi = 0.0, None, None
-    for lo, hi in sorted(stalled):
+    return max(0.0, 1.0 - union_length(stalled) / (end - start))
+
+
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length of the union of closed intervals (lo, hi)."""
+    total, cur_lo, cur_hi = 0.0, 0.0, None
+    for lo, hi in sorted(intervals):
         if cur_hi is None or lo > cur_hi:
             if cur_hi is not None:
                 total += cur_hi - cur_lo
@@ -64,7 +69,7 @@ def uptime(
             cur_hi = max(cur_hi, hi)
     if cur_hi is not None:
         total += cur_hi - cur_lo
-    return max(0.0, 1.0 - total / (end - start))
+    return total
 
 
 def typical_cycle(busy: Sequence[float], waits: Sequence[float] = (), outlier: float = 3.0) -> float:

@@ -63,7 +63,7 @@ class DelayedNesterovState(NamedTuple):
 
     momentum: Any
     buffer: Any
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count on purpose, as optax's own states do
 
 
 def delayed_nesterov(lr: float, momentum: float, delay: int) -> optax.GradientTransformationExtraArgs:
@@ -140,8 +140,7 @@ def state_from_numpy(
     cfg: OuterConfig | InnerConfig, fragment: Mapping[str, np.ndarray], leaves: list[np.ndarray]
 ) -> Any:
     """Rebuilds an outer state for `fragment` from `state_to_numpy` leaves."""
-    like = init(cfg, fragment)
-    treedef = jax.tree_util.tree_structure(like)
-    if treedef.num_leaves != len(leaves):
-        raise ValueError(f"outer state has {len(leaves)} leaves, expected {treedef.num_leaves}")
+    like, treedef = jax.tree_util.tree_flatten(init(cfg, fragment))
+    if len(like) != len(leaves):
+        raise ValueError(f"outer state has {len(leaves)} leaves, expected {len(like)}")
     return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in leaves])

@@ -137,9 +137,12 @@ def goodput_series(run: Run) -> tuple[list[float], list[float]]:
     return ts, ratio
 
 
-def wire_series(run: Run) -> tuple[list[float], list[float], list[float]]:
+def wire_series(run: Run) -> tuple[list[float], list[int], list[int]]:
     """(t, cumulative bytes_in, cumulative bytes_out) after each merge."""
-    ts, bi, bo, a, b = [], [], [], 0, 0
+    ts: list[float] = []
+    bi: list[int] = []
+    bo: list[int] = []
+    a, b = 0, 0
     for e in run.of("merge"):
         a += int(e.get("bytes_in") or 0)
         b += int(e.get("bytes_out") or 0)

@@ -106,7 +106,7 @@ def _save_fragment(path: Path, f: _Fragment) -> None:
     meta = {"version": f.version, "commit_id": f.commit_id, "ledger": {str(k): v for k, v in f.ledger.items()}}
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
+    np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy's stub matches **kwargs against allow_pickle: bool
     _atomic_write(path, buf.getvalue())
 
 
@@ -199,9 +199,10 @@ class StoreCore:
         stream) if some fragment never merged a push of it. Also returns that push's step.
         """
         entries = [f.ledger.get(learner_id) for f in self.fragments]
-        if any(e is None for e in entries):
+        merged = [e for e in entries if e is not None]
+        if len(merged) < len(entries):
             return None, 0
-        first = min(entries, key=lambda e: _cursor_key(e["cursor"]))
+        first = min(merged, key=lambda e: _cursor_key(e["cursor"]))
         return first["cursor"], int(first["step"])
 
     # ---- writes ------------------------------------------------------------------------------

@@ -213,10 +213,15 @@ class SyncerCore:
         small that every later push of it was a "norm outlier", so fragment 1 never moved again
         and the rejected pushes kept growing (the median only learns from accepted norms).
         """
-        rejections, deltas, norms, metas, nbytes_in = [], [], [], [], 0
+        rejections: list[dict[str, Any]] = []
+        deltas: list[dict[str, np.ndarray]] = []
+        norms: list[dict[str, float]] = []
+        metas: list[ContributionMeta] = []
+        nbytes_in = 0
         expected = self.plan.fragments[p].shape_map
         s = self.cfg.syncer
-        grace_window, slack, registry = self._closing.pop(p, None) or (self.grace(), self.slack(), dict(self.registry))
+        closing = self._closing.pop(p, None)
+        grace_window, slack, registry = closing or (self.grace(), self.slack(), dict(self.registry))
         for meta, payload in items:
             reason = None
             if payload is None:
@@ -244,6 +249,7 @@ class SyncerCore:
             if reason is not None:
                 rejections.append(_rejection(meta, reason))
                 continue
+            assert payload is not None and delta is not None  # no reason: fetched, decoded and accepted
             deltas.append(delta)
             norms.append(tn)
             metas.append(meta)
@@ -343,6 +349,7 @@ class SyncerCore:
         """The store acknowledged `outcome.commit`: adopt Θ_p, s_p, v_p (Θ̂_p), the round's norms,
         weights and merged steps; ξ_sync ← EMA(sync_time)."""
         c = outcome.commit
+        assert c is not None, "committed() acknowledges an outcome that has a commit"
         p = c.fragment_id
         self.values[p], self.version[p], self.state[p] = c.values, c.version, outcome.outer_state
         self.held[p] = c.values if c.held is None else c.held

@@ -1,9 +1,10 @@
 """Faults in process, one event at a time on the virtual clock (`dloco.sim`), for every algorithm.
 
 The run: 2 learners of the `micro` model (1 and 1.3 virtual seconds per step), 24 steps each; one
-fault at t = 6.75 s (while a dp round waits for the slower learner). Blocking algorithms (dp, diloco, streaming: K = M) must end with exactly
-S / H versions of every fragment whatever the fault — no round lost, none merged twice — and stop
-merging while a learner is silent; decoupled (K = 1) must keep merging through it.
+fault at t = 6.75 s (while a dp round waits for the slower learner). Blocking algorithms (dp,
+diloco, streaming: K = M) must end with exactly S / H versions of every fragment whatever the
+fault — no round lost, none merged twice — and stop merging while a learner is silent;
+decoupled (K = 1) must keep merging through it.
 """
 
 import pytest

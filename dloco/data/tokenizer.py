@@ -59,13 +59,13 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Decodes ids to text; EOS ids are dropped."""
-        ids = np.asarray(ids, dtype=np.int64).ravel()
-        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-            raise ValueError(f"ids must lie in [0, {self.vocab_size}), got {ids.min()}..{ids.max()}")
-        ids = ids[ids != self.eos_id]
+        arr = np.asarray(ids, dtype=np.int64).ravel()
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise ValueError(f"ids must lie in [0, {self.vocab_size}), got {arr.min()}..{arr.max()}")
+        arr = arr[arr != self.eos_id]
         if self._backend is None:
-            return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
-        return self._backend.decode(ids.tolist(), skip_special_tokens=False)
+            return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        return self._backend.decode(arr.tolist(), skip_special_tokens=False)
 
     def _encode_documents(self, texts: list[str]) -> list[np.ndarray]:
         """Encodes each text with EOS appended (batched for BPE)."""

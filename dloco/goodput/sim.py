@@ -152,7 +152,9 @@ def simulate_schedule(
             per[int(f.target[8:])].append(f)
     domains, kills, absorbed, freezes = [], 0, 0, 0
     for fs in per:
-        s, e, kill = [], [], []
+        s: list[float] = []
+        e: list[float] = []
+        kill: list[bool] = []
         for f in sorted(fs):
             if e and f.at < e[-1]:
                 if f.kind == "kill" and not kill[-1]:  # the frozen process is killed: it restarts now

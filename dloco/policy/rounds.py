@@ -282,6 +282,7 @@ class FragmentRound:
                 None,
             )
         if self._deadline is None:
+            assert self._quorum_reached_at is not None, "n >= K, so add() recorded when the quorum was reached"
             self._deadline = self._quorum_reached_at + grace
         left = self._deadline - now
         if left <= 0:

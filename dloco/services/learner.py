@@ -17,6 +17,7 @@ recovers a round a restarted syncer forgot. Straggling and freezes are time, whi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from dloco import build, chaos
 from dloco.config import RunConfig
@@ -148,10 +149,11 @@ class LearnerService:
         self.core.receive(d)
         self.bytes_in += d.nbytes
 
-    def known(self, in_transit: list[Update] = ()) -> list[int]:
+    def known(self, in_transit: Iterable[Update] = ()) -> list[int]:
         """Newest version of each fragment this learner has: installed, queued or `in_transit`."""
         known = list(self.core.version)
-        for d in [*self.core.inbox.values(), *in_transit]:
+        newer: list[Delivery | Update] = [*self.core.inbox.values(), *in_transit]
+        for d in newer:
             known[d.fragment_id] = max(known[d.fragment_id], d.version)
         return known
 

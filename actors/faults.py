@@ -1,0 +1,71 @@
+"""Chaos carried out on a Ray run (ALGORITHM.md §10): the seeded schedule, and faults by hand.
+
+`FaultInjector` runs `dloco.chaos.schedule` on the run's wall clock in a thread — real kills of
+learner, syncer and store processes (Ray restarts them; the downtime is what a restart really
+costs) and freezes — and hands every fault to `record` as a ``fault`` event with its time and
+whether it was carried out or skipped and why. Manual faults are logged the same way with
+``source: manual``. It knows the run's actors only through the `actors` callable, so the driver
+stays the one owner of them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from dloco import chaos
+from dloco.config import RunConfig
+
+
+class FaultInjector:
+    def __init__(self, cfg: RunConfig, started: float, actors: Callable[[], dict[str, Any]], record) -> None:
+        self.schedule = chaos.schedule(cfg.chaos, cfg.learners.count)
+        self.started, self.actors, self.record = started, actors, record
+        self.down: dict[int, float] = {}  # learner → time of the kill it has not yet come back from
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dloco-chaos", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def observe(self, e: dict[str, Any]) -> None:
+        """A learner registered: it is back from its kill."""
+        if e["event"] in ("learner_start", "learner_restart"):  # killed before its first registration: start
+            self.down.pop(e["learner"], None)
+
+    def _run(self) -> None:
+        for f in self.schedule:
+            if self._stop.wait(max(0.0, self.started + f.at - time.time())):
+                return
+            self.fault(f.target, f.kind, f.duration, source="schedule", at=f.at)
+
+    def fault(self, target: str, kind: str, duration: float = 0.0, source: str = "manual", at=None) -> dict:
+        e: dict[str, Any] = {"event": "fault", "time": time.time(), "target": target, "kind": kind, "source": source}
+        if at is not None:
+            e["at"] = at
+        if kind == "freeze":
+            e["duration"] = duration
+        actors = self.actors()
+        if target.startswith("learner-"):
+            m = int(target.split("-")[1])
+            actor = actors["learners"].get(m)
+            if actor is None:
+                e["skipped"] = "learner not running"
+            elif m in self.down:
+                e["skipped"] = "learner still down from an earlier kill"
+            elif kind == "kill":
+                self.down[m] = e["time"]
+                ray.kill(actor, no_restart=False)
+            else:
+                actor.freeze.remote(duration)
+        else:
+            ray.kill(actors[target], no_restart=False)
+        self.record(e)
+        return e

@@ -1,0 +1,328 @@
+"""`RunHandle`: the driver's side of a Ray run — spawn the actors, watch them, stop at the budget.
+
+The store, the syncer and one learner per id are named actors in the run's namespace, each with
+``max_restarts=-1`` and ``max_task_retries=-1`` (every method is safe to retry: commits are
+compare-and-set, registration hands out a new incarnation, `run` resumes from the store). Learners
+take their group's resources (``num_cpus``, ``num_gpus``, custom resources such as a region
+label). A supervisor thread drains the actors' events into ``metrics.jsonl`` (and TensorBoard),
+folds them into a `dloco.tally.Tally` (running accounts and a bounded ring of recent events, so
+the driver's memory stays flat however long the run), evaluates the global model every
+`metrics.eval_every_s`, and stops the run at its token, time or step budget; ``summary.json``
+(`dloco.tally.summarize`) is written at the end. Faults: `actors.faults.FaultInjector`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from actors import isolation
+from actors.faults import FaultInjector
+from actors.learner import Learner
+from actors.store import FragmentStore
+from actors.syncer import Syncer
+from actors.workers import worker_env
+from dloco import build, chaos, inner
+from dloco.config import RunConfig
+from dloco.tally import Tally, summarize
+from dloco.tensorboard import TensorBoardSink
+
+
+class RunHandle:
+    """A running (or finished) run: watch it, change it, stop it. See `actors.launch.start`."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, owns_ray: bool, progress=None) -> None:
+        self.cfg, self.run_dir, self.owns_ray, self.progress = cfg, run_dir, owns_ray, progress
+        self.namespace = f"dloco-{uuid.uuid4().hex[:8]}"
+        self.cfg_dict = cfg.to_dict()
+        self.started = time.time()
+        bp = build.blueprint(cfg)
+        self.tally = Tally(bp.plan.count, cfg.metrics.stall_threshold_s, self.started)
+        self.learners: dict[int, Any] = {}
+        self.runs: dict[int, ray.ObjectRef] = {}
+        self.status_by: dict[int, dict] = {}
+        self.trained: dict[tuple[int, int], int] = {}  # (learner, incarnation) → tokens trained
+        self._drains: dict[str, ray.ObjectRef | None] = {}
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._stop_requested = threading.Event()
+        self._metrics_path = run_dir / "metrics.jsonl"
+        self._metrics_file = open(self._metrics_path, "a")  # noqa: SIM115 - closed in stop()
+        self._tensorboard = TensorBoardSink(run_dir, fragments=bp.plan.count)  # beside metrics.jsonl
+        self._bp, self._mesh = bp, inner.make_mesh()
+        self._eval = inner.make_eval_step(bp.model, self._mesh)
+        self._eval_set = build.eval_set(cfg, bp.corpus)
+        self.summary: dict[str, Any] | None = None
+        self.faults = FaultInjector(cfg, self.started, self._actors, self._record)
+
+        opts = {
+            "namespace": self.namespace,
+            "max_restarts": -1,
+            "max_task_retries": -1,
+            "num_cpus": 0,
+            # On the head node, with the driver: the run directory (metrics, store snapshots) is
+            # the head's, so a restarted store finds its snapshots without a shared filesystem.
+            "resources": {"node:__internal_head__": 0.001},
+            "runtime_env": {"env_vars": worker_env(cfg, accelerator=False)},
+        }
+        self.store = ray.remote(FragmentStore).options(name="store", **opts).remote(self.cfg_dict, str(run_dir))
+        ray.get(self.store.ping.remote())
+        # threaded: pushes are accepted on Ray's threads while one thread closes rounds
+        self.syncer = (
+            ray.remote(Syncer)
+            .options(name="syncer", max_concurrency=8, **opts)
+            .remote(self.cfg_dict, "store", self.namespace)
+        )
+        ray.get(self.syncer.ping.remote())
+        self.eval_loss_start = self.evaluate()
+        self._record({"event": "eval", "time": time.time(), "loss": self.eval_loss_start, "tokens": 0})
+        for m in range(cfg.learners.count):
+            self._spawn(m)
+        self._record(
+            {
+                "event": "chaos",
+                "time": time.time(),
+                "seed": cfg.chaos.seed,
+                "faults": len(self.faults.schedule),
+                "stragglers": sorted(chaos.stragglers(cfg.chaos, cfg.learners.count)),
+            }
+        )
+        self._thread = threading.Thread(target=self._supervise, name="dloco-supervisor", daemon=True)
+        self._thread.start()
+        self.faults.start()
+
+    def _actors(self) -> dict[str, Any]:
+        return {"store": self.store, "syncer": self.syncer, "learners": dict(self.learners)}
+
+    # ---- learners ----------------------------------------------------------------------------
+    def _spawn(self, m: int) -> None:
+        groups = self.cfg.learners.expand()
+        g = groups[min(m, len(groups) - 1)]
+        accelerator = g.num_gpus > 0 or "TPU" in g.resources
+        actor = (
+            ray.remote(Learner)
+            .options(
+                name=f"learner-{m}",
+                namespace=self.namespace,
+                max_restarts=-1,
+                max_task_retries=-1,
+                max_concurrency=4,
+                num_cpus=g.num_cpus,
+                num_gpus=g.num_gpus,
+                resources=dict(g.resources) or None,
+                # a GPU or TPU learner lets JAX find its accelerator; others stay on the CPU
+                runtime_env={"env_vars": worker_env(self.cfg, accelerator, shared_gpu=0 < g.num_gpus < 1)},
+            )
+            .remote(self.cfg_dict, m, "store", "syncer", self.namespace)
+        )
+        self.learners[m] = actor
+        self.runs[m] = actor.run.remote(self.cfg.budget.steps or None)
+
+    def kill_learner(self, m: int) -> None:
+        """Kills learner m's process (as a preemption would); Ray restarts it and it rejoins."""
+        self.faults.fault(f"learner-{m}", "kill")
+
+    def freeze_learner(self, m: int, seconds: float) -> None:
+        """Learner m stays alive but silent (no steps, pushes or mail) for `seconds`."""
+        self.faults.fault(f"learner-{m}", "freeze", seconds)
+
+    def kill_store(self) -> None:
+        self.faults.fault("store", "kill")
+
+    def kill_syncer(self) -> None:
+        self.faults.fault("syncer", "kill")
+
+    def add_learners(self, n: int) -> list[int]:
+        """Starts `n` more learners with new ids (each reads its own data shard)."""
+        first = max(self.learners) + 1 if self.learners else 0
+        if first + n > self.cfg.data.shards:
+            raise ValueError(f"data.shards={self.cfg.data.shards} allows learner ids below it; raise data.shards")
+        for m in range(first, first + n):
+            self._spawn(m)
+        return list(range(first, first + n))
+
+    # ---- watching ----------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        """Validation loss of the current global model (fragments fetched from the store)."""
+        _, frs = ray.get(self.store.fragments.remote())
+        params = inner.replicate(self._bp.plan.join(frs), self._mesh)
+        return inner.evaluate(self._eval, params, self._eval_set, self._mesh)
+
+    def status(self) -> dict[str, Any]:
+        """Counters and the newest evaluation, from the running tally (O(learners))."""
+        with self._lock:
+            learners = dict(self.status_by)
+            merges, rejected = self.tally.counts["merge"], self.tally.counts["rejection"]
+            last_eval = self.tally.last.get("eval")
+        return {
+            "elapsed_s": time.time() - self.started,
+            "tokens_trained": self.tokens_trained(),
+            "budget_tokens": self.cfg.budget.tokens,
+            "merges": merges,
+            "rejected": rejected,
+            "eval_loss": last_eval["loss"] if last_eval else None,
+            "learners": learners,
+            "done": self._done.is_set(),
+        }
+
+    def recent(self, event: str | None = None) -> list[dict[str, Any]]:
+        """The newest events the driver keeps in memory (a bounded ring), optionally of one kind."""
+        with self._lock:
+            return [dict(e) for e in self.tally.recent if event is None or e["event"] == event]
+
+    def metrics(self, event: str | None = None) -> list[dict[str, Any]]:
+        """Every event so far (or those of one kind: merge, eval, rejection, learner_restart, ...),
+        read back from ``metrics.jsonl``: the driver itself keeps only `recent` ones."""
+        with self._lock:
+            self._metrics_file.flush()
+        out = []
+        with open(self._metrics_path) as fh:
+            for line in fh:
+                if event is None or f'"event": "{event}"' in line:
+                    e = json.loads(line)
+                    if event is None or e.get("event") == event:
+                        out.append(e)
+        return out
+
+    def tokens_trained(self) -> int:
+        return sum(self.trained.values())
+
+    def _record(self, e: dict[str, Any]) -> None:
+        e = {**e, "t": e.get("time", time.time()) - self.started}
+        self.faults.observe(e)
+        with self._lock:
+            self.tally.add(e)
+            self._metrics_file.write(json.dumps(e, default=str) + "\n")
+            self._metrics_file.flush()
+            self._tensorboard.write(e)
+
+    def _poll_actors(self) -> None:
+        # A drain call is kept until it answers (a restarting actor answers late): dropping it
+        # would drop the events it returns.
+        for name, actor in (("store", self.store), ("syncer", self.syncer)):
+            ref = self._drains.get(name) or actor.drain_events.remote()
+            ready, _ = ray.wait([ref], timeout=2.0)
+            self._drains[name] = None if ready else ref
+            if ready:
+                try:
+                    for e in ray.get(ref):
+                        self._record(e)
+                except ray.exceptions.RayError:
+                    pass  # it died: its events since the last drain died with it
+        refs = {m: (a.status.remote(), a.drain_events.remote()) for m, a in list(self.learners.items())}
+        flat = [r for pair in refs.values() for r in pair]
+        ready, _ = ray.wait(flat, num_returns=len(flat), timeout=2.0)
+        for m, (ref, events_ref) in refs.items():
+            if events_ref in ready:
+                try:
+                    for e in ray.get(events_ref):
+                        self._record(e)
+                except ray.exceptions.RayError:
+                    pass  # it died: its events since the last drain died with it
+            if ref in ready:
+                try:
+                    s = ray.get(ref)
+                except ray.exceptions.RayError:
+                    continue
+                with self._lock:
+                    self.status_by[m] = s
+                    key = (m, s["incarnation"])
+                    self.trained[key] = max(self.trained.get(key, 0), s["tokens_this_incarnation"])
+
+    def _supervise(self) -> None:
+        b, last_eval = self.cfg.budget, time.time()
+        try:
+            while not self._stop_requested.is_set():
+                time.sleep(0.5)
+                self._poll_actors()
+                if time.time() - last_eval >= self.cfg.metrics.eval_every_s:
+                    self._record(
+                        {"event": "eval", "time": time.time(), "loss": self.evaluate(), "tokens": self.tokens_trained()}
+                    )
+                    self._record_goodput(time.time())
+                    last_eval = time.time()
+                if self.progress:
+                    self.progress(self.status())
+                elapsed = time.time() - self.started
+                if (b.tokens and self.tokens_trained() >= b.tokens) or (b.seconds and elapsed >= b.seconds):
+                    break
+                if (
+                    b.steps
+                    and self.runs
+                    and not ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=0)[1]
+                ):
+                    break  # every learner reached budget.steps
+        finally:
+            self._finish()
+
+    def _record_goodput(self, now: float) -> dict[str, float]:
+        """Goodput and uptime so far (ALGORITHM.md §8), recorded as a ``goodput`` event.
+
+        Decision: uptime is measured from the first commit, when the model starts advancing, so
+        the start-up (Ray, imports, the first compile) is no stall; goodput does count it.
+        """
+        with self._lock:
+            e = {"event": "goodput", "time": now, "goodput": self.tally.goodput(now), "uptime": self.tally.uptime(now)}
+        self._record(e)
+        return e
+
+    def _finish(self) -> None:
+        self._stop_requested.set()
+        self.faults.stop()  # no scheduled fault after this point
+        # The accounting window ends here, when the run is told to stop: waiting below for learners
+        # to finish their step (or a restart to finish) is no provisioned training time.
+        stop_at = time.time()
+        for a in self.learners.values():
+            a.stop.remote()
+        ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=60)
+        self._poll_actors()
+        time.sleep(0.5)  # let in-flight rounds commit
+        self._poll_actors()
+        end_loss = self.evaluate()
+        end = time.time()
+        self._record({"event": "eval", "time": end, "loss": end_loss, "tokens": self.tokens_trained()})
+        self._record_goodput(stop_at)
+        store = ray.get(self.store.summary.remote())
+        with self._lock:
+            self.summary = summarize(
+                self.tally,
+                config=self.cfg_dict,
+                stop_at=stop_at,
+                end=end,
+                eval_loss_start=self.eval_loss_start,
+                eval_loss_end=end_loss,
+                tokens_trained=self.tokens_trained(),
+                statuses=dict(self.status_by),
+                store=store,
+                learners=len(self.learners),
+                run_dir=str(self.run_dir),
+            )
+        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2, default=str))
+        self._done.set()
+
+    # ---- ending ------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """Blocks until the run ends at its budget (or `timeout`); returns the summary."""
+        self._done.wait(timeout)
+        return self.summary
+
+    def stop(self) -> dict[str, Any] | None:
+        """Ends the run now: final evaluation, summary.json, actors removed, local Ray stopped."""
+        self._stop_requested.set()
+        self._thread.join()
+        for a in [*self.learners.values(), self.syncer, self.store]:
+            ray.kill(a, no_restart=True)
+        if self.cfg.learners.cpu_limit > 0:
+            time.sleep(1.0)  # let the killed learner processes exit their cgroups
+            isolation.release(f"{self.namespace}-learner-")
+        self._metrics_file.close()
+        self._tensorboard.close()
+        if self.owns_ray:
+            ray.shutdown()
+        return self.summary

@@ -1,0 +1,194 @@
+"""Running accounts of a run, fed one event at a time: what the driver keeps instead of every event.
+
+`Tally.add` folds each event into counters and per-learner, per-fragment accumulators and keeps a
+bounded ring of recent events; memory stays flat however long the run, and each query is O(learners
++ fragments + stalls), not O(events). The numbers equal the batch functions of `dloco.metrics`
+over the same events (tests/test_goodput_accounting.py checks that on the same traces), which
+remain the definitions: goodput and learner time (`metrics.learner_time`), uptime
+(`metrics.uptime`), kill downtimes (`metrics.downtimes`), the longest commit gaps.
+
+Events from different actors reach the driver slightly out of time order; the accounts need only
+the orders that causality fixes (a learner's registration before its merges, a kill before the
+restart, the one syncer's merges in commit order).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter, deque
+from collections.abc import Mapping
+from typing import Any
+
+from dloco import metrics
+
+
+class Tally:
+    """Accounts of one run over `fragments` fragments (module docstring)."""
+
+    def __init__(self, fragments: int, stall_threshold: float, start: float, ring: int = 1000) -> None:
+        self.fragments, self.stall_threshold, self.start = fragments, stall_threshold, start
+        self.counts: Counter[str] = Counter()
+        self.recent: deque[dict[str, Any]] = deque(maxlen=ring)
+        self.last: dict[str, dict[str, Any]] = {}  # event kind → its newest event
+        self.first_commit: float | None = None
+        self.payloads_lost = 0
+        self._learners: dict[int, dict[str, float | None]] = {}  # m → start, stop, merged, merged_tokens
+        self._merged_to: dict[tuple[int, int], int] = {}  # (learner, fragment) → highest step merged
+        self._last_commit: dict[int, float] = {}  # fragment → time of its last commit
+        self._stalls: list[tuple[float, float]] = []  # closed stalled intervals (gaps > threshold)
+        self._prev_any: float = start  # last commit of any fragment
+        self._gaps: list[float] = []  # min-heap of the longest gaps between commits of any fragment
+        self._kills: list[dict[str, Any]] = []
+        self._restarting: dict[int, dict[str, Any]] = {}
+        self._rejoining: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def add(self, e: Mapping[str, Any]) -> None:
+        kind = str(e.get("event"))
+        e = dict(e)
+        self.counts[kind] += 1
+        if kind == "fault" and e.get("skipped"):
+            self.counts["fault_skipped"] += 1
+        self.recent.append(e)
+        self.last[kind] = e
+        t = float(e.get("time", 0.0))
+        if kind == "learner_start":
+            self._learner(int(e["learner"]), t)
+        elif kind == "learner_stop" and int(e["learner"]) in self._learners:
+            self._learners[int(e["learner"])]["stop"] = t
+        elif kind == "payload_lost":
+            self.payloads_lost += 1
+        elif (
+            kind == "fault"
+            and e.get("kind") == "kill"
+            and str(e.get("target", "")).startswith("learner-")
+            and not e.get("skipped")
+        ):
+            m = int(e["target"].split("-")[1])
+            d = {"learner": m, "killed": t, "back": None, "downtime_s": None, "merged_again": None}
+            d["rejoin_s"] = None
+            self._restarting[m] = d
+            self._kills.append(d)
+        if kind in ("learner_start", "learner_restart") and int(e["learner"]) in self._restarting:
+            d = self._restarting.pop(int(e["learner"]))
+            d["back"], d["downtime_s"] = t, t - d["killed"]
+            self._rejoining[(int(e["learner"]), int(e.get("incarnation", 1)))] = d
+        if kind == "merge":
+            self._merge(e, t)
+
+    def _learner(self, m: int, t: float) -> dict[str, float | None]:
+        if m not in self._learners:
+            self._learners[m] = {"start": t, "stop": None, "merged": 0.0, "merged_tokens": 0.0}
+        return self._learners[m]
+
+    def _merge(self, e: dict[str, Any], t: float) -> None:
+        p = int(e["fragment"])
+        cycles = e.get("cycle_s") or [0.0] * len(e["contributors"])
+        for m, step, n, tok, cycle in zip(
+            e["contributors"], e["steps"], e["inner_steps"], e["tokens"], cycles, strict=True
+        ):
+            hi = self._merged_to.get((int(m), p), -1)
+            new = max(0, step - max(hi, step - n))
+            self._merged_to[(int(m), p)] = max(hi, step)
+            acc = self._learner(int(m), t)
+            acc["merged"] = float(acc["merged"] or 0.0) + new * cycle / self.fragments
+            acc["merged_tokens"] = float(acc["merged_tokens"] or 0.0) + new * (tok / n if n else 0.0) / self.fragments
+        for m, inc in zip(e["contributors"], e.get("incarnations", ()), strict=False):
+            d = self._rejoining.pop((int(m), int(inc)), None)
+            if d is not None:
+                d["merged_again"], d["rejoin_s"] = t, t - d["killed"]
+        if self.first_commit is None:
+            self.first_commit = t
+        prev = self._last_commit.get(p, self.first_commit)
+        if t - prev > self.stall_threshold:
+            self._stalls.append((prev + self.stall_threshold, t))
+        self._last_commit[p] = max(prev, t)
+        gap, self._prev_any = t - self._prev_any, max(self._prev_any, t)
+        heapq.heappush(self._gaps, gap)
+        if len(self._gaps) > 16:
+            heapq.heappop(self._gaps)
+
+    # ---- queries -----------------------------------------------------------------------------
+    def learner_time(self, end: float) -> dict[int, dict[str, float]]:
+        """Per learner: provisioned and merged seconds and merged tokens (`metrics.learner_time`)."""
+        return {
+            m: {
+                "provisioned": max(0.0, (end if v["stop"] is None else float(v["stop"])) - float(v["start"] or 0.0)),
+                "merged": float(v["merged"] or 0.0),
+                "merged_tokens": float(v["merged_tokens"] or 0.0),
+            }
+            for m, v in self._learners.items()
+        }
+
+    def goodput(self, end: float) -> float:
+        per = self.learner_time(end).values()
+        provisioned = sum(v["provisioned"] for v in per)
+        return sum(v["merged"] for v in per) / provisioned if provisioned > 0 else 0.0
+
+    def uptime(self, end: float) -> float:
+        """`metrics.uptime` from the first commit (the run's start while there is none) to `end`:
+        the model starts advancing at its first commit, so start-up is no stall (ALGORITHM.md §8)."""
+        since = self.start if self.first_commit is None else self.first_commit
+        if end <= since:
+            return 1.0
+        open_ = [
+            (self._last_commit.get(p, since) + self.stall_threshold, end)
+            for p in range(self.fragments)
+            if end - self._last_commit.get(p, since) > self.stall_threshold
+        ]
+        return max(0.0, 1.0 - metrics.union_length([*self._stalls, *open_]) / (end - since))
+
+    def downtimes(self) -> list[dict[str, Any]]:
+        return [dict(d) for d in self._kills]
+
+    def longest_commit_gaps(self, end: float, n: int = 3) -> list[float]:
+        return sorted([*self._gaps, end - self._prev_any], reverse=True)[:n]
+
+
+def summarize(
+    tally: Tally,
+    *,
+    config: Mapping[str, Any],
+    stop_at: float,
+    end: float,
+    eval_loss_start: float,
+    eval_loss_end: float,
+    tokens_trained: int,
+    statuses: Mapping[int, Mapping[str, Any]],
+    store: Mapping[str, Any],
+    learners: int,
+    run_dir: str,
+) -> dict[str, Any]:
+    """``summary.json`` of a run: the tally's accounts up to `stop_at` (when the run was told to
+    stop) and what the driver measured at the end (`end`: after the final evaluation)."""
+    per_learner = tally.learner_time(stop_at)
+    merged = sum(v["merged_tokens"] for v in per_learner.values())
+    faults = tally.counts["fault"]
+    kills = tally.downtimes()
+    return {
+        "algorithm": config.get("algorithm"),
+        "eval_loss_start": eval_loss_start,
+        "eval_loss_end": eval_loss_end,
+        "tokens_trained": tokens_trained,
+        "tokens_merged": merged,
+        "tokens_merged_ratio": merged / tokens_trained if tokens_trained else 0.0,
+        "goodput": tally.goodput(stop_at),
+        "learner_time": per_learner,
+        "faults": faults - tally.counts["fault_skipped"],
+        "faults_skipped": tally.counts["fault_skipped"],
+        "downtime_s": sorted(d["downtime_s"] for d in kills if d["downtime_s"] is not None),  # kill → registered
+        "rejoin_s": sorted(d["rejoin_s"] for d in kills if d["rejoin_s"] is not None),  # kill → merged again
+        "longest_commit_gaps_s": tally.longest_commit_gaps(stop_at),
+        "payloads_lost": tally.payloads_lost,
+        "uptime": tally.uptime(stop_at),
+        "merges": tally.counts["merge"],
+        "rejected": tally.counts["rejection"],
+        "learners": learners,
+        "restarts": tally.counts["learner_restart"],
+        "bytes_up": sum(s["bytes_out"] for s in statuses.values()),
+        "bytes_down": sum(s["bytes_in"] for s in statuses.values()),
+        "versions": store["versions"],
+        "placement": {m: s.get("node") for m, s in sorted(statuses.items())},
+        "wall_time_s": end - tally.start,
+        "run_dir": run_dir,
+        "config": dict(config),
+    }
