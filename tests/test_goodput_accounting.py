@@ -125,3 +125,18 @@ def test_the_running_tally_equals_the_batch_functions_on_the_same_events():
     assert t.uptime(100.0) == pytest.approx(metrics.uptime(metrics.commit_times(lock), 1.0, 100.0, 2.0, 1))
     assert t.uptime(100.0) == pytest.approx(1 - 6 / 99)
     assert t.longest_commit_gaps(100.0, n=1) == [pytest.approx(8.0)]
+
+
+def test_driver_memory_benchmark_runs_and_the_tally_holds_far_less(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "dm.json"
+    script = Path(__file__).parents[1] / "benchmarks" / "driver_memory.py"
+    subprocess.run([sys.executable, str(script), "--events", "20000", "--out", str(out)], check=True, timeout=120)
+    r = json.loads(out.read_text())
+    a, b = r["rows"]["all events"], r["rows"]["tally"]
+    assert a["merges"] == b["merges"] > 19000 and a["goodput"] == pytest.approx(b["goodput"])
+    assert b["memory_mib"] < a["memory_mib"] / 5  # the ring and the accounts, not every event
