@@ -14,6 +14,7 @@ import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -46,7 +47,7 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
     """
     if ray.is_initialized():
         return False
-    quiet = {"log_to_driver": False, "logging_level": "ERROR"}
+    quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": "ERROR"}
     if address or os.environ.get("RAY_ADDRESS"):
         target = address or os.environ["RAY_ADDRESS"]
         _check_reachable(target)

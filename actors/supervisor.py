@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -71,11 +71,13 @@ class RunHandle:
             "resources": {"node:__internal_head__": 0.001},
             "runtime_env": {"env_vars": worker_env(cfg, accelerator=False)},
         }
-        self.store = ray.remote(FragmentStore).options(name="store", **opts).remote(self.cfg_dict, str(run_dir))
+        self.store: Any = (
+            cast(Any, ray.remote(FragmentStore)).options(name="store", **opts).remote(self.cfg_dict, str(run_dir))
+        )
         ray.get(self.store.ping.remote())
         # threaded: pushes are accepted on Ray's threads while one thread closes rounds
-        self.syncer = (
-            ray.remote(Syncer)
+        self.syncer: Any = (
+            cast(Any, ray.remote(Syncer))
             .options(name="syncer", max_concurrency=8, **opts)
             .remote(self.cfg_dict, "store", self.namespace)
         )
@@ -105,7 +107,7 @@ class RunHandle:
         groups = self.cfg.learners.expand()
         g = groups[min(m, len(groups) - 1)]
         accelerator = g.num_gpus > 0 or "TPU" in g.resources
-        actor = (
+        actor: Any = (
             ray.remote(Learner)
             .options(
                 name=f"learner-{m}",
@@ -261,7 +263,7 @@ class RunHandle:
         finally:
             self._finish()
 
-    def _record_goodput(self, now: float) -> dict[str, float]:
+    def _record_goodput(self, now: float) -> dict[str, Any]:
         """Goodput and uptime so far (ALGORITHM.md §8), recorded as a ``goodput`` event.
 
         Decision: uptime is measured from the first commit, when the model starts advancing, so

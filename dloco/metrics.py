@@ -137,8 +137,8 @@ def learner_time(events: Iterable[Mapping[str, Any]], end: float, fragments: int
         if kind == "learner_stop" and int(e["learner"]) in out:
             out[int(e["learner"])]["stop"] = float(e["time"])
     for r in merged_progress(events, fragments):
-        out[r["learner"]]["merged"] += r["seconds"]
-        out[r["learner"]]["merged_tokens"] += r["tokens"]
+        out[int(r["learner"])]["merged"] += r["seconds"]
+        out[int(r["learner"])]["merged_tokens"] += r["tokens"]
     return {
         m: {"provisioned": max(0.0, v["stop"] - v["start"]), "merged": v["merged"], "merged_tokens": v["merged_tokens"]}
         for m, v in out.items()
@@ -169,7 +169,7 @@ def downtimes(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if kind == "fault" and e.get("kind") == "kill" and str(e.get("target", "")).startswith("learner-"):
             if not e.get("skipped"):
                 m = int(e["target"].split("-")[1])
-                d = {"learner": m, "killed": float(e["time"]), "back": None, "downtime_s": None}
+                d: dict[str, Any] = {"learner": m, "killed": float(e["time"]), "back": None, "downtime_s": None}
                 d |= {"merged_again": None, "rejoin_s": None}
                 restarting[m] = d
                 out.append(d)
@@ -180,8 +180,9 @@ def downtimes(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             rejoining[(int(e["learner"]), int(e.get("incarnation", 1)))] = d
         elif kind == "merge":
             for m, inc in zip(e["contributors"], e.get("incarnations", ()), strict=False):
-                d = rejoining.pop((int(m), int(inc)), None)
-                if d is not None:
+                key = (int(m), int(inc))
+                if key in rejoining:
+                    d = rejoining.pop(key)
                     d["merged_again"] = float(e["time"])
                     d["rejoin_s"] = d["merged_again"] - d["killed"]
     return out

@@ -358,6 +358,7 @@ class SyncerCore:
         self._last_weight[p].update(outcome.weights)
         for mp in c.merged:
             self.merged[p][mp.learner_id] = (mp.incarnation, mp.step)
+        self._inflight[p] = set()
         self.timings.observe_sync_time(sync_time)
 
     def reload(

@@ -64,7 +64,7 @@ class Tally:
             and not e.get("skipped")
         ):
             m = int(e["target"].split("-")[1])
-            d = {"learner": m, "killed": t, "back": None, "downtime_s": None, "merged_again": None}
+            d: dict[str, Any] = {"learner": m, "killed": t, "back": None, "downtime_s": None, "merged_again": None}
             d["rejoin_s"] = None
             self._restarting[m] = d
             self._kills.append(d)

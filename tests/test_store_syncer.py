@@ -114,7 +114,8 @@ def test_round_merges_with_token_weights_and_outer_step():
 
 def merge_alone(s, m, tokens, x, now):
     """Pushes one contribution to fragment 1, closes its round and commits it; returns the merge event."""
-    assert s.push(meta(m, tokens=tokens, base=s.version[1]), payload(x), now=now).accept
+    step = 10 * (s.version[1] + 1)  # a newer step each time: a merged step pushed again is a replay
+    assert s.push(meta(m, tokens=tokens, base=s.version[1], step=step), payload(x), now=now).accept
     items, _ = s.take(1, now)
     out = s.merge(1, items, grace_used=0.0)
     s.committed(out, sync_time=0.01)
@@ -133,7 +134,7 @@ def test_partial_rounds_are_scaled_by_their_share_of_the_live_weight():
     np.testing.assert_allclose(s.values[1]["w"], [-1, -3 * 8 / 15, 0, 0], rtol=1e-6)
     # a round with every registered learner is applied in full
     for m in range(3):
-        assert s.push(meta(m, base=s.version[1]), payload([0, 0, 3, 0]), now=2.0).accept
+        assert s.push(meta(m, base=s.version[1], step=30), payload([0, 0, 3, 0]), now=2.0).accept
     items, _ = s.take(1, 2.0)
     out = s.merge(1, items, grace_used=0.0)
     assert out.event["share"] == 1.0
@@ -197,7 +198,8 @@ def test_outlier_check_compares_per_step_norms():
 
     def push_alone(m, steps, norm, now):
         x = [norm, 0, 0, 0]
-        assert s.push(meta(m, tokens=10 * steps, steps=steps, base=s.version[1]), payload(x), now=now).accept
+        step = 100 + int(now)  # newer each time
+        assert s.push(meta(m, tokens=10 * steps, steps=steps, base=s.version[1], step=step), payload(x), now=now).accept
         items, _ = s.take(1, now)
         out = s.merge(1, items, grace_used=0.0)
         if out.commit is not None:
@@ -213,3 +215,21 @@ def test_outlier_check_compares_per_step_norms():
     out = push_alone(1, 24, 6.0, 11.0)
     assert out.commit is None
     assert out.rejections[0]["reason"].startswith("norm outlier: norm 0.25 > max_norm_ratio 10.0 × median 0.01")
+
+
+def test_a_replayed_push_is_rejected_and_never_merged_twice():
+    """The same contribution (learner, incarnation, step) pushed again after its merge — or while
+    its round is being merged — is rejected as a replay; a newer step of it, or the same step of a
+    new incarnation, is not."""
+    _, s = make_syncer(**{"syncer.quorum": 1})
+    merge_alone(s, 0, 100, [3, 0, 0, 0], now=0.0)  # learner 0, step 10, merged into version 1
+    again = s.push(meta(0, base=1, step=10), payload([3, 0, 0, 0]), now=1.0)
+    assert not again.accept and again.reason.startswith("replay: step 10 was merged already")
+    assert s.push(meta(1, base=1, step=20), payload([0, 3, 0, 0]), now=1.0).accept
+    items, _ = s.take(1, 1.0)  # learner 1's step 20 is now being merged
+    late = s.push(meta(1, base=1, step=20), payload([0, 3, 0, 0]), now=1.5)
+    assert not late.accept and "round being merged" in late.reason
+    s.committed(s.merge(1, items, grace_used=0.0), sync_time=0.01)
+    assert s.merged[1] == {0: (1, 10), 1: (1, 20)} and s.version[1] == 2
+    s.update_registry({0: 2, 1: 1, 2: 1})  # learner 0 restarted: its steps count anew
+    assert s.push(meta(0, base=2, step=10, inc=2), payload([1, 0, 0, 0]), now=2.0).accept
