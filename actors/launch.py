@@ -39,7 +39,7 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
         raise ConnectionError(f"cannot reach the Ray cluster at {address}: {e}") from None
 
 
-def connect(address: str | None, num_cpus: int | None = None) -> bool:
+def connect(address: str | None, num_cpus: int | None = None, object_store_mb: int = 512) -> bool:
     """Connects to Ray; returns True if this call started a local cluster (which `stop` shuts down).
 
     `address` None: a cluster named by RAY_ADDRESS (e.g. inside ``ray job submit``), else a new
@@ -65,7 +65,7 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
         address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
-        object_store_memory=512 * 1024**2,
+        object_store_memory=object_store_mb * 1024**2,
         _node_ip_address="127.0.0.1",
         **quiet,
     )
@@ -94,7 +94,7 @@ def start(
     (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     build.corpus(cfg)  # prepare (and cache) the data once, before any actor starts
     needed = int(sum(g.num_cpus for g in cfg.learners.expand())) + 1
-    owns = connect(address, num_cpus=max(needed, os.cpu_count() or 1))
+    owns = connect(address, num_cpus=max(needed, os.cpu_count() or 1), object_store_mb=cfg.store.object_store_mb)
     try:
         return RunHandle(cfg, run_dir, owns, progress)
     except BaseException:

@@ -20,12 +20,11 @@ from dloco.services.store import StoreService
 from dloco.services.wire import Update
 from dloco.store import Commit, CommitResult, Registration
 
-LONG_POLL_S = 30.0  # an `updates` call with no mail returns empty after this long, and is sent again
-
 
 class FragmentStore:
     def __init__(self, cfg: dict, run_dir: str) -> None:
         self.service = StoreService(from_dict(cfg), run_dir, RayTransport(), WallClock())
+        self.long_poll_s = self.service.cfg.store.long_poll_s
         self._mail: dict[int, asyncio.Event] = {}  # learner → set (and replaced) when mail arrives
 
     async def register(self, learner_id: int) -> Registration:
@@ -54,10 +53,10 @@ class FragmentStore:
         return result
 
     async def updates(
-        self, learner_id: int, incarnation: int, known: list[int], wait_s: float = LONG_POLL_S
+        self, learner_id: int, incarnation: int, known: list[int], wait_s: float | None = None
     ) -> list[Update]:
-        """The learner's mail; with none, waits up to `wait_s` for a commit that brings some."""
-        deadline = time.monotonic() + wait_s
+        """The learner's mail; with none, waits up to `wait_s` (`store.long_poll_s`) for a commit that brings some."""
+        deadline = time.monotonic() + (self.long_poll_s if wait_s is None else wait_s)
         while True:
             out = await asyncio.to_thread(self.service.updates, learner_id, incarnation, known)
             left = deadline - time.monotonic()

@@ -19,10 +19,10 @@ def worker_env(cfg: RunConfig, accelerator: bool, shared_gpu: bool = False) -> d
         "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen={'true' if n > 1 else 'false'}",
         "OMP_NUM_THREADS": str(n),
         "TF_CPP_MIN_LOG_LEVEL": "3",
-        # JAX's persistent compilation cache: a restarted learner recompiles from disk, not scratch.
-        "JAX_COMPILATION_CACHE_DIR": str(Path("~/.cache/dloco/jax").expanduser()),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
+    if cfg.learners.compile_cache_dir:  # a restarted learner recompiles from disk, not from scratch
+        env["JAX_COMPILATION_CACHE_DIR"] = str(Path(cfg.learners.compile_cache_dir).expanduser())
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     if not accelerator:
         env["JAX_PLATFORMS"] = "cpu"
     elif shared_gpu:

@@ -59,6 +59,7 @@ class LearnersConfig:
     xla_threads: int = 1
     groups: tuple[LearnerGroup, ...] = ()
     cpu_limit: float = 0.0  # emulated hosts: cap each learner process at this many cores (0: no cap)
+    compile_cache_dir: str = "~/.cache/dloco/jax"  # JAX's persistent compilation cache ("": none)
 
     def __post_init__(self) -> None:
         _positive("learners", self, "xla_threads")
@@ -83,13 +84,23 @@ class LearnersConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Fragment store durability: a snapshot every `snapshot_every` commits, `keep` kept."""
+    """Fragment store durability: a snapshot every `snapshot_every` commits, `keep` kept.
+
+    Each learner keeps one long poll of the store open; with no mail it returns after
+    `long_poll_s` and is sent again. `object_store_mb` sizes Ray's object store when
+    `dloco train` starts a local cluster (pushes and published fragments live there).
+    """
 
     snapshot_every: int = 8
     keep: int = 3
+    long_poll_s: float = 30.0
+    object_store_mb: int = 512
 
     def __post_init__(self) -> None:
-        _positive("store", self, "snapshot_every", "keep")
+        _positive("store", self, "snapshot_every", "keep", "long_poll_s")
+        _check(
+            self.object_store_mb >= 80, "store.object_store_mb", self.object_store_mb, "must be >= 80 (Ray's minimum)"
+        )
 
 
 @dataclass(frozen=True)
