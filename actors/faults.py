@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from dloco import chaos
+from dloco import chaos, events
 from dloco.config import RunConfig
 
 
@@ -47,25 +47,30 @@ class FaultInjector:
             self.fault(f.target, f.kind, f.duration, source="schedule", at=f.at)
 
     def fault(self, target: str, kind: str, duration: float = 0.0, source: str = "manual", at=None) -> dict:
-        e: dict[str, Any] = {"event": "fault", "time": time.time(), "target": target, "kind": kind, "source": source}
-        if at is not None:
-            e["at"] = at
-        if kind == "freeze":
-            e["duration"] = duration
+        now, skipped = time.time(), None
         actors = self.actors()
         if target.startswith("learner-"):
             m = int(target.split("-")[1])
             actor = actors["learners"].get(m)
             if actor is None:
-                e["skipped"] = "learner not running"
+                skipped = "learner not running"
             elif m in self.down:
-                e["skipped"] = "learner still down from an earlier kill"
+                skipped = "learner still down from an earlier kill"
             elif kind == "kill":
-                self.down[m] = e["time"]
+                self.down[m] = now
                 ray.kill(actor, no_restart=False)
             else:
                 actor.freeze.remote(duration)
         else:
             ray.kill(actors[target], no_restart=False)
+        e = events.Fault(
+            time=now,
+            target=target,
+            kind=kind,
+            source=source,
+            at=at,
+            duration=duration if kind == "freeze" else None,
+            skipped=skipped,
+        ).to_dict()
         self.record(e)
         return e

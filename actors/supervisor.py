@@ -14,6 +14,7 @@ the driver's memory stays flat however long the run), evaluates the global model
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 import uuid
@@ -28,7 +29,7 @@ from actors.learner import Learner
 from actors.store import FragmentStore
 from actors.syncer import Syncer
 from actors.workers import worker_env
-from dloco import build, chaos, inner
+from dloco import build, chaos, events, inner
 from dloco.config import RunConfig
 from dloco.tally import Tally, summarize
 from dloco.tensorboard import TensorBoardSink
@@ -83,17 +84,14 @@ class RunHandle:
         )
         ray.get(self.syncer.ping.remote())
         self.eval_loss_start = self.evaluate()
-        self._record({"event": "eval", "time": time.time(), "loss": self.eval_loss_start, "tokens": 0})
+        self._record(events.Eval(time=time.time(), loss=self.eval_loss_start, tokens=0).to_dict())
         for m in range(cfg.learners.count):
             self._spawn(m)
+        stragglers = sorted(chaos.stragglers(cfg.chaos, cfg.learners.count))
         self._record(
-            {
-                "event": "chaos",
-                "time": time.time(),
-                "seed": cfg.chaos.seed,
-                "faults": len(self.faults.schedule),
-                "stragglers": sorted(chaos.stragglers(cfg.chaos, cfg.learners.count)),
-            }
+            events.Chaos(
+                time=time.time(), seed=cfg.chaos.seed, faults=len(self.faults.schedule), stragglers=stragglers
+            ).to_dict()
         )
         self._thread = threading.Thread(target=self._supervise, name="dloco-supervisor", daemon=True)
         self._thread.start()
@@ -196,7 +194,11 @@ class RunHandle:
         return sum(self.trained.values())
 
     def _record(self, e: dict[str, Any]) -> None:
-        e = {**e, "t": e.get("time", time.time()) - self.started}
+        e = {**e, "t": (e.get("time") or time.time()) - self.started}
+        try:
+            events.parse(e)  # one schema per kind (`dloco.events`); a mismatch is a bug, reported
+        except ValueError as err:
+            print(f"dloco: event does not match its schema: {err}", file=sys.stderr)
         self.faults.observe(e)
         with self._lock:
             self.tally.add(e)
@@ -244,9 +246,8 @@ class RunHandle:
                 time.sleep(0.5)
                 self._poll_actors()
                 if time.time() - last_eval >= self.cfg.metrics.eval_every_s:
-                    self._record(
-                        {"event": "eval", "time": time.time(), "loss": self.evaluate(), "tokens": self.tokens_trained()}
-                    )
+                    loss = self.evaluate()
+                    self._record(events.Eval(time=time.time(), loss=loss, tokens=self.tokens_trained()).to_dict())
                     self._record_goodput(time.time())
                     last_eval = time.time()
                 if self.progress:
@@ -270,7 +271,7 @@ class RunHandle:
         the start-up (Ray, imports, the first compile) is no stall; goodput does count it.
         """
         with self._lock:
-            e = {"event": "goodput", "time": now, "goodput": self.tally.goodput(now), "uptime": self.tally.uptime(now)}
+            e = events.Goodput(time=now, goodput=self.tally.goodput(now), uptime=self.tally.uptime(now)).to_dict()
         self._record(e)
         return e
 
@@ -288,7 +289,7 @@ class RunHandle:
         self._poll_actors()
         end_loss = self.evaluate()
         end = time.time()
-        self._record({"event": "eval", "time": end, "loss": end_loss, "tokens": self.tokens_trained()})
+        self._record(events.Eval(time=end, loss=end_loss, tokens=self.tokens_trained()).to_dict())
         self._record_goodput(stop_at)
         store = ray.get(self.store.summary.remote())
         with self._lock:

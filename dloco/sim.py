@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from dloco import build, chaos, inner
+from dloco import build, chaos, events, inner
 from dloco.config import RunConfig
 from dloco.services.learner import LearnerService
 from dloco.services.store import StoreService
@@ -170,28 +170,26 @@ class Sim:
         self._seq += 1
 
     def _fault(self, kind: str, arg: Any) -> None:
-        e = {"event": "fault", "time": self.now, "kind": "freeze" if kind == "freeze" else "kill", "source": "schedule"}
+        target, skipped, duration = {"kill_syncer": "syncer", "kill_store": "store"}.get(kind, ""), None, None
         if kind == "kill_learner":
-            e["target"] = f"learner-{arg}"
+            target = f"learner-{arg}"
             svc = self.services.pop(arg, None)
             if svc is None:
-                e["skipped"] = "learner not running"
+                skipped = "learner not running"
             else:
                 self.dead.add(id(svc.transport))
                 self.next_done.pop(arg, None)
                 self.restarts.append((self.now + self.restart_s, arg))
         elif kind == "freeze":
-            m, seconds = arg
-            e.update(target=f"learner-{m}", duration=seconds)
-            self.frozen_until[m] = max(self.frozen_until.get(m, 0.0), self.now + seconds)
+            m, duration = arg
+            target = f"learner-{m}"
+            self.frozen_until[m] = max(self.frozen_until.get(m, 0.0), self.now + duration)
         elif kind == "kill_syncer":
-            e["target"] = "syncer"
             self.dead.add(id(self.syncer_service.transport))
             self.syncer_service = SyncerService(
                 self.cfg, _StoreFor(self, self.sync_time), SimTransport(self.dead), self.clock
             )
         elif kind == "kill_store":
-            e["target"] = "store"
             self.dead.add(id(self.store_service.transport))
             self.store_service = StoreService(self.cfg, self.run_dir, SimTransport(self.dead), self.clock)
             for m, svc in self.services.items():  # each learner's long poll fails and is sent again
@@ -199,7 +197,15 @@ class Sim:
                 self._mail(m, self.store_service.updates(m, svc.incarnation, svc.known(in_transit)))
         else:
             raise ValueError(f"unknown fault {kind!r}")
-        self.events.append(e)
+        fault = events.Fault(
+            time=self.now,
+            target=target,
+            kind="freeze" if kind == "freeze" else "kill",
+            source="schedule",
+            duration=duration,
+            skipped=skipped,
+        )
+        self.events.append(fault.to_dict())
 
     # ---- the loop ---------------------------------------------------------------------------
     def _spawn(self, m: int) -> None:
@@ -223,7 +229,8 @@ class Sim:
     def _collect(self) -> None:
         for svc in (self.store_service, self.syncer_service, *self.services.values()):
             if svc is not None:
-                self.events.extend({**e, "time": self.now} for e in svc.drain_events())
+                # every event is checked against its schema (`dloco.events.parse`) as it arrives
+                self.events.extend(events.parse({**e, "time": self.now}).to_dict() for e in svc.drain_events())
 
     def _close_due(self) -> float | None:
         wait = self.syncer_service.run_due()

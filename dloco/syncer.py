@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from dloco import compress, merge, outer
+from dloco import compress, events, merge, outer
 from dloco.config import DP_ALGORITHMS, RunConfig
 from dloco.fragments import FragmentPlan
 from dloco.policy import (
@@ -247,7 +247,7 @@ class SyncerCore:
                 if not d.accept:
                     reason = d.reason
             if reason is not None:
-                rejections.append(_rejection(meta, reason))
+                rejections.append(rejection(meta, reason))
                 continue
             assert payload is not None and delta is not None  # no reason: fetched, decoded and accepted
             deltas.append(delta)
@@ -255,7 +255,7 @@ class SyncerCore:
             metas.append(meta)
             nbytes_in += sum(x.nbytes for x in payload.values())
         if not metas:
-            return MergeOutcome(None, {"event": "round_empty", "fragment": p, "version": self.version[p]}, rejections)
+            return MergeOutcome(None, events.RoundEmpty(fragment=p, version=self.version[p]).to_dict(), rejections)
         if self.dp:  # the global-batch gradient: each learner's mean gradient weighted by its tokens
             weights = np.asarray([m.tokens for m in metas], np.float64)
         elif self.cfg.merge.weighting == "tokens":
@@ -283,28 +283,26 @@ class SyncerCore:
             held=held,
             delta=published,
         )
-        event = {
-            "event": "merge",
-            "fragment": p,
-            "version": commit.version,
-            "contributors": [m.learner_id for m in metas],
-            "incarnations": [m.incarnation for m in metas],
-            "steps": [m.step for m in metas],
-            "tokens": [m.tokens for m in metas],
-            "inner_steps": [m.steps for m in metas],
-            "weights": [float(w) for w in np.asarray(weights) / np.sum(weights)],
-            "share": share,
-            "staleness": [self.version[p] - m.base_version for m in metas],
-            "cycle_s": [m.cycle_time for m in metas],
-            "grace_s": grace_used,
-            "grace_window_s": grace_window,
-            "slack_s": slack,
-            "bytes_in": nbytes_in,
-            "bytes_out": sum(v.nbytes for v in (published or values).values()),
-            "rejected": len(rejections),
-        }
-        if self.elastic:
-            event["dropped"] = self._dropping.pop(p, [])
+        event = events.Merge(
+            fragment=p,
+            version=commit.version,
+            contributors=[m.learner_id for m in metas],
+            incarnations=[m.incarnation for m in metas],
+            steps=[m.step for m in metas],
+            tokens=[m.tokens for m in metas],
+            inner_steps=[m.steps for m in metas],
+            weights=[float(w) for w in np.asarray(weights) / np.sum(weights)],
+            share=share,
+            staleness=[self.version[p] - m.base_version for m in metas],
+            cycle_s=[m.cycle_time for m in metas],
+            grace_s=grace_used,
+            grace_window_s=grace_window,
+            slack_s=slack,
+            bytes_in=nbytes_in,
+            bytes_out=sum(v.nbytes for v in (published or values).values()),
+            rejected=len(rejections),
+            dropped=self._dropping.pop(p, []) if self.elastic else None,
+        ).to_dict()
         recorded = tuple((m.learner_id, float(w)) for m, w in zip(metas, np.asarray(weights, np.float64), strict=True))
         return MergeOutcome(commit, event, rejections, state, step_norms, recorded)
 
@@ -382,13 +380,14 @@ class SyncerCore:
                 self.timings.forget(m[0])
 
 
-def _rejection(meta: ContributionMeta, reason: str) -> dict[str, Any]:
-    return {
-        "event": "rejection",
-        "fragment": meta.fragment_id,
-        "learner": meta.learner_id,
-        "incarnation": meta.incarnation,
-        "step": meta.step,
-        "base_version": meta.base_version,
-        "reason": reason,
-    }
+def rejection(meta: ContributionMeta, reason: str, time: float | None = None) -> dict[str, Any]:
+    """The ``rejection`` event of a contribution (time: set by the caller's clock)."""
+    return events.Rejection(
+        time=time,
+        fragment=meta.fragment_id,
+        learner=meta.learner_id,
+        incarnation=meta.incarnation,
+        step=meta.step,
+        base_version=meta.base_version,
+        reason=reason,
+    ).to_dict()

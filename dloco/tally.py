@@ -119,6 +119,10 @@ class Tally:
             for m, v in self._learners.items()
         }
 
+    def merged_tokens(self) -> float:
+        """Tokens merged so far: Σ over merged pushes of their new steps × tokens per step / P."""
+        return sum(float(v["merged_tokens"] or 0.0) for v in self._learners.values())
+
     def goodput(self, end: float) -> float:
         per = self.learner_time(end).values()
         provisioned = sum(v["provisioned"] for v in per)

@@ -17,7 +17,7 @@ Tags (x-axis of each in brackets; "s" is whole seconds since the run's start, th
     merge/fragment_{p}/staleness_mean  mean of v_p − base over contributions  [version v_p]
     merge/fragment_{p}/bytes_in        payload bytes merged (learners → syncer)    [version v_p]
     merge/fragment_{p}/bytes_out       bytes of the merged fragment (one copy)     [version v_p]
-    merge/tokens_merged                Σ merged tokens / P (ALGORITHM.md §8)  [s]
+    merge/tokens_merged                tokens merged (dloco.metrics.merged_progress) [s]
     wire/bytes_in_total                cumulative bytes_in of all merges      [s]
     wire/bytes_out_total               cumulative bytes_out of all merges     [s]
     rejections/total                   rejected contributions so far          [s]
@@ -25,18 +25,22 @@ Tags (x-axis of each in brackets; "s" is whole seconds since the run's start, th
     faults/total                       kills, freezes and lost payloads so far [s]
     goodput/{key}                      numeric fields of a ``goodput`` event  [s]
 
-"Tokens merged" follows the token ledger: a merge adds Σ_m c_tok[m] of its contributions to
-fragment p, and a token counts as merged once its progress reached every fragment, hence the
-division by P (`fragments`, read from ``config.json`` in `run_dir` unless given).
+"Tokens merged" has the one definition of `dloco.metrics.merged_progress` (kept event by event
+by a `dloco.tally.Tally`): a merged push counts only its steps not merged into that fragment
+before, times its tokens per step, and a token counts once its progress reached every fragment,
+hence the division by P (`fragments`, read from ``config.json`` in `run_dir` unless given).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from dloco.tally import Tally
 
 _FAULTS = ("kill", "fault", "freeze", "payload_lost")
 
@@ -67,7 +71,8 @@ class TensorBoardSink:
         self._writer = SummaryWriter(logdir=str(self.run_dir), flush_secs=flush_secs)
         self._t0: float | None = None
         self._seen_fragments: set[int] = set()
-        self._merged_tok = 0.0  # Σ merged c_tok over all fragments
+        self._tally: Tally | None = Tally(self.fragments, math.inf, 0.0, ring=1) if self.fragments else None
+        self._merged_tok = 0.0  # Σ merged c_tok over all fragments (only while P is unknown)
         self._bytes_in = 0
         self._bytes_out = 0
         self._counts: dict[str, int] = {}
@@ -95,9 +100,10 @@ class TensorBoardSink:
         return wall - self._t0, wall
 
     def tokens_merged(self) -> float:
-        """Σ merged tokens / P over the merges written so far."""
-        p = self.fragments or max(1, len(self._seen_fragments))
-        return self._merged_tok / p
+        """Tokens merged so far, as `dloco.metrics.merged_progress` defines them (`dloco.tally`)."""
+        if self._tally is not None:
+            return self._tally.merged_tokens()
+        return self._merged_tok / max(1, len(self._seen_fragments))
 
     def write(self, event: Mapping[str, Any]) -> int:
         """Writes the scalars of one event; returns how many (0 for kinds without scalars)."""
@@ -143,6 +149,8 @@ class TensorBoardSink:
         for k, x in values.items():
             self._scalar(f"{pre}/{k}", x, v, wall)
         self._merged_tok += float(sum(e.get("tokens") or ()))
+        if self._tally is not None:
+            self._tally.add(e)
         self._bytes_in += int(e.get("bytes_in") or 0)
         self._bytes_out += int(e.get("bytes_out") or 0)
         self._scalar("merge/tokens_merged", self.tokens_merged(), s, wall)

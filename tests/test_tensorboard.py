@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from synthetic_runs import make_run
 
-from dloco import tensorboard
+from dloco import metrics, tensorboard
 
 event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
 record_writer = pytest.importorskip("tensorboardX.record_writer")
@@ -51,6 +51,8 @@ def test_eval_merge_rejection_restart_scalars(tmp_path):
                 "version": 3,
                 "contributors": [1, 3],
                 "tokens": [12288, 4096],
+                "steps": [24, 8],
+                "inner_steps": [24, 8],
                 "staleness": [2, 1],
                 "grace_s": 0.25,
                 "grace_window_s": 0.33,
@@ -63,6 +65,7 @@ def test_eval_merge_rejection_restart_scalars(tmp_path):
         )
         assert n == 7 + 3
         sink.write({"event": "merge", "fragment": 0, "version": 1, "contributors": [0], "tokens": [8192],
+                    "steps": [16], "inner_steps": [16],
                     "staleness": [0], "grace_s": 0.0, "grace_window_s": 0.3, "slack_s": 0.6, "bytes_in": 100,
                     "bytes_out": 200, "time": 1011.0, "t": 13.4})  # fmt: skip
         sink.write({"event": "rejection", "time": 1012.0, "t": 14.0, "fragment": 0, "learner": 2, "reason": "stale"})
@@ -81,7 +84,7 @@ def test_eval_merge_rejection_restart_scalars(tmp_path):
         assert s[f"merge/fragment_1/{tag}"][0][1] == pytest.approx(want)
     assert s["merge/fragment_1/bytes_in"][0][1] == 135432 and s["merge/fragment_1/bytes_out"][0][1] == 525312
     assert s["merge/fragment_0/quorum"] == [(1, 1.0, 1011.0)]
-    # tokens merged = Σ merged c_tok / P: (12288 + 4096) / 2, then + 8192 / 2
+    # tokens merged: every step of these pushes is new, so Σ c_tok / P: (12288 + 4096) / 2, then + 8192 / 2
     assert [v for _, v, _ in s["merge/tokens_merged"]] == [8192.0, 12288.0]
     assert [v for _, v, _ in s["wire/bytes_in_total"]] == [135432.0, 135532.0]
     assert [v for _, v, _ in s["wire/bytes_out_total"]] == [525312.0, 525512.0]
@@ -112,8 +115,11 @@ def test_from_metrics_of_a_launcher_shaped_run(tmp_path):
         mine = [e for e in merges if e["fragment"] == p]
         assert [st for st, _, _ in s[f"merge/fragment_{p}/quorum"]] == [e["version"] for e in mine]
         assert [v for _, v, _ in s[f"merge/fragment_{p}/quorum"]] == [len(e["contributors"]) for e in mine]
-    # P is read from config.json; the last cumulative value equals the summary's tokens merged
-    assert s["merge/tokens_merged"][-1][1] == pytest.approx(sum(sum(e["tokens"]) for e in merges) / 2)
+    # P is read from config.json; the last cumulative value is the one definition of tokens merged
+    # (`metrics.merged_progress`: steps merged twice count once), what summary.json reports
+    per_learner = metrics.learner_time(events, events[-1]["time"], 2)
+    assert s["merge/tokens_merged"][-1][1] == pytest.approx(sum(v["merged_tokens"] for v in per_learner.values()))
+    assert s["merge/tokens_merged"][-1][1] < sum(sum(e["tokens"]) for e in merges) / 2  # the ledger's raw Σ
     assert s["wire/bytes_in_total"][-1][1] == sum(e["bytes_in"] for e in merges)
     assert s["learners/starts"][-1][1] == 2 and s["learners/restarts"][-1][1] == 1
     assert s["rejections/total"][-1][1] == 1

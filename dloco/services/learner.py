@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from dloco import build, chaos
+from dloco import build, chaos, events
 from dloco.config import RunConfig
 from dloco.data import Cursor
 from dloco.learner import Delivery, LearnerCore, Push
@@ -78,16 +78,10 @@ class LearnerService:
             if self.core.blocking:
                 self.unacked[m.fragment_id] = (self.clock.now(), push)
             if chaos.payload_lost(self.cfg.chaos, m.learner_id, m.incarnation, m.step, m.fragment_id):
-                self.events.append(
-                    {
-                        "event": "payload_lost",
-                        "time": self.clock.wall(),
-                        "learner": m.learner_id,
-                        "fragment": m.fragment_id,
-                        "step": m.step,
-                        "bytes": push.nbytes,
-                    }
+                lost = events.PayloadLost(
+                    time=self.clock.wall(), learner=m.learner_id, fragment=m.fragment_id, step=m.step, bytes=push.nbytes
                 )
+                self.events.append(lost.to_dict())
                 continue
             self._send(push)
         return metrics
@@ -110,15 +104,10 @@ class LearnerService:
             if p not in waiting:
                 continue
             if now >= t + resend:
-                self.events.append(
-                    {
-                        "event": "payload_resent",
-                        "time": self.clock.wall(),
-                        "learner": self.learner_id,
-                        "fragment": p,
-                        "step": push.meta.step,
-                    }
+                again = events.PayloadResent(
+                    time=self.clock.wall(), learner=self.learner_id, fragment=p, step=push.meta.step
                 )
+                self.events.append(again.to_dict())
                 self.unacked[p] = (now, push)
                 self._send(push)
                 t = now

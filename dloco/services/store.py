@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dloco import build, publish
+from dloco import build, events, publish
 from dloco.config import BLOCKING_ALGORITHMS, RunConfig
 from dloco.services.wire import Clock, Transport, Update
 from dloco.store import Commit, CommitResult, Registration, StoreCore
@@ -57,14 +57,8 @@ class StoreService:
         self._shared: dict[int, tuple[int, str, Any]] = {}  # p → (version, kind, ref): this commit's publication
         self._full: dict[int, tuple[int, Any]] = {}  # p → (version, ref of Θ̂_p): for learners behind a delta
         self.lock = threading.RLock()
-        self.events: list[dict] = [
-            {
-                "event": "store_start",
-                "time": clock.wall(),
-                "versions": self.core.versions,
-                "restored_from": self.core.restored_from,
-            }
-        ]
+        start = events.StoreStart(time=clock.wall(), versions=self.core.versions, restored_from=self.core.restored_from)
+        self.events: list[dict] = [start.to_dict()]
 
     @property
     def count(self) -> int:
@@ -96,17 +90,15 @@ class StoreService:
                 list(self.core.versions),
                 [self._merged(p, learner_id) for p in range(self.count)],
             )
-            kind = "learner_start" if reg.incarnation == 1 else "learner_restart"
-            self.events.append(
-                {
-                    "event": kind,
-                    "time": self.clock.wall(),
-                    "learner": learner_id,
-                    "incarnation": reg.incarnation,
-                    "cursor": reg.cursor,
-                    "step": reg.step,
-                }
+            kind = events.LearnerStart if reg.incarnation == 1 else events.LearnerRestart
+            e = kind(
+                time=self.clock.wall(),
+                learner=learner_id,
+                incarnation=reg.incarnation,
+                cursor=reg.cursor,
+                step=reg.step,
             )
+            self.events.append(e.to_dict())
             return reg
 
     def retire(self, learner_id: int) -> None:
@@ -114,7 +106,7 @@ class StoreService:
             self.core.retire(learner_id)
             self.sessions.pop(learner_id, None)
             self.copies.forget(learner_id)
-            self.events.append({"event": "learner_stop", "time": self.clock.wall(), "learner": learner_id})
+            self.events.append(events.LearnerStop(time=self.clock.wall(), learner=learner_id).to_dict())
 
     def registry(self) -> dict[int, int]:
         with self.lock:

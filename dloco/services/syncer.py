@@ -19,11 +19,11 @@ import threading
 import traceback
 from typing import Any
 
-from dloco import build
+from dloco import build, events
 from dloco.config import RunConfig
 from dloco.policy import ContributionMeta, Decision
 from dloco.services.wire import Clock, PayloadLostError, StorePeer, Transport
-from dloco.syncer import SyncerCore
+from dloco.syncer import SyncerCore, rejection
 
 
 class SyncerService:
@@ -33,7 +33,7 @@ class SyncerService:
         frs, registry, held, merged = store.syncer_state()
         self.core = SyncerCore(cfg, bp.plan, bp.embedding, frs, registry, held, merged)
         self.lock = threading.Lock()
-        self.events: list[dict] = [{"event": "syncer_start", "time": clock.wall(), "versions": list(self.core.version)}]
+        self.events: list[dict] = [events.SyncerStart(time=clock.wall(), versions=list(self.core.version)).to_dict()]
 
     def push(self, meta: ContributionMeta, ref: Any) -> Decision:
         """Accepts or rejects one contribution; `ref` is where the transport put its payload."""
@@ -44,7 +44,7 @@ class SyncerService:
         with self.lock:
             d = self.core.push(meta, ref, self.clock.now())
             if not d.accept:
-                self.events.append(_rejection(meta, d.reason, self.clock.wall()))
+                self.events.append(rejection(meta, d.reason, self.clock.wall()))
         return d
 
     def run_due(self) -> float | None:
@@ -56,14 +56,8 @@ class SyncerService:
                 for p in due:
                     self.close(p)
             except Exception as e:  # a failed round is reported; its fragment is tried again later
-                self.events.append(
-                    {
-                        "event": "syncer_error",
-                        "time": self.clock.wall(),
-                        "error": repr(e),
-                        "trace": traceback.format_exc(limit=5),
-                    }
-                )
+                err = events.SyncerError(time=self.clock.wall(), error=repr(e), trace=traceback.format_exc(limit=5))
+                self.events.append(err.to_dict())
                 return 0.1
             if not due:
                 return wait
@@ -104,7 +98,7 @@ class SyncerService:
             version, values, state = frs[p]
             with self.lock:
                 self.core.reload(p, version, values, state, held[p])
-            self.events.append({"event": "commit_rejected", "time": wall, "fragment": p, "reason": result.reason})
+            self.events.append(events.CommitRejected(time=wall, fragment=p, reason=result.reason).to_dict())
 
     def status(self) -> dict:
         with self.lock:
@@ -119,16 +113,3 @@ class SyncerService:
         with self.lock:
             events, self.events = self.events, []
             return events
-
-
-def _rejection(meta: ContributionMeta, reason: str, wall: float) -> dict:
-    return {
-        "event": "rejection",
-        "time": wall,
-        "fragment": meta.fragment_id,
-        "learner": meta.learner_id,
-        "incarnation": meta.incarnation,
-        "step": meta.step,
-        "base_version": meta.base_version,
-        "reason": reason,
-    }
