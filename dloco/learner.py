@@ -14,6 +14,12 @@ fragment arrives as a quantized difference that `receive()` adds to the copy the
                push of this learner (counters unchanged); a push still not merged after
                `syncer.max_staleness` newer versions is given up and the fragment overwritten
 
+A push carries everything since the anchor, so with a merge round trip longer than H steps a
+learner has several pushes of p in flight, each containing the one before. Every push not yet
+known merged is kept (`pending_pushes`): a merge that included any of them (not only the newest)
+moves the base to it, and the syncer rejects the later ones, which overlap it (`SyncerCore`);
+their progress stays in θ_p and goes with the next push.
+
 A push carries δ_p = anchor_p − θ_p (compressed with error feedback) and `ContributionMeta`.
 Data-parallel baselines (`algorithm: dp | elastic_dp`, §9): `step()` computes the gradient g of
 the batch at θ (= the installed global Θ) without applying it and pushes g every step; the merged
@@ -80,6 +86,13 @@ class _PushRecord:
     tokens: int
     steps: int
     base_version: int
+    residual: dict[str, np.ndarray] | None = None  # e_p after this push (error feedback)
+
+
+# Pushes of one fragment kept while not known merged: more are in flight only while the merge
+# round trip is longer than that many sync periods; the oldest is forgotten (then a merge of it
+# installs as "not included", as before).
+MAX_PENDING_PUSHES = 16
 
 
 class LearnerCore:
@@ -123,7 +136,8 @@ class LearnerCore:
         self.version = list(versions)
         self.c_tok, self.c_steps = [0] * P, [0] * P
         self.residual: list[dict[str, np.ndarray] | None] = [None] * P
-        self.last_push: list[_PushRecord | None] = [None] * P
+        # per fragment: the pushes not known merged, oldest first (module docstring)
+        self.pending_pushes: list[list[_PushRecord]] = [[] for _ in range(P)]
         self.tokens_per_step = stream.tokens_per_batch
         self.step_time = self.cycle_time = 0.0
         self.resyncs = 0  # rebase: pending pushes given up (see `install`)
@@ -132,6 +146,11 @@ class LearnerCore:
         self.blocking = cfg.algorithm in BLOCKING_ALGORITHMS
         self.inbox: dict[int, Delivery] = {}
         self.outstanding: dict[int, int] = {}  # fragment → step of a push still awaiting its merge
+
+    @property
+    def last_push(self) -> list[_PushRecord | None]:
+        """Per fragment: the newest push not known merged, or None."""
+        return [r[-1] if r else None for r in self.pending_pushes]
 
     @property
     def step_count(self) -> int:
@@ -194,7 +213,18 @@ class LearnerCore:
             payload[n], residual[n] = compress.encode_with_feedback(delta, e, cfg.dtype, cfg.block)
         if cfg.error_feedback:
             self.residual[p] = residual
-        self.last_push[p] = _PushRecord(self.state.step, theta, self.c_tok[p], self.c_steps[p], self.version[p])
+        records = self.pending_pushes[p]
+        records.append(
+            _PushRecord(
+                self.state.step,
+                theta,
+                self.c_tok[p],
+                self.c_steps[p],
+                self.version[p],
+                residual if cfg.error_feedback else None,
+            )
+        )
+        del records[:-MAX_PENDING_PUSHES]
         if self.blocking:
             self.outstanding[p] = self.state.step
         meta = ContributionMeta(
@@ -213,7 +243,8 @@ class LearnerCore:
 
     def _reset_fragment(self, p: int) -> None:
         self.c_tok[p] = self.c_steps[p] = 0
-        self.residual[p], self.last_push[p] = None, None
+        self.residual[p] = None
+        self.pending_pushes[p] = []
         anchor = inner.replicate(self.anchor[p], self.mesh)
         self.state = self.state._replace(params=self.plan.install(self.state.params, anchor))
 
@@ -277,14 +308,21 @@ class LearnerCore:
         """Installs merged fragment Θ'_p of `version` by `learner.receive` (module docstring).
 
         `included_step` is the local step of this learner's last push merged into fragment p (by
-        this or an earlier version), or None; the pending push counts as merged iff it is that one.
+        this or an earlier version), or None; a pending push counts as merged iff it is that one
+        (any pending push, not only the newest: module docstring).
         """
         p = fragment_id
         if version <= self.version[p]:
             return  # an older or repeated publish: nothing new to install
         mode, alpha = self.cfg.learner.receive, self.cfg.learner.blend_alpha
-        record = self.last_push[p]
-        included = record is not None and included_step is not None and included_step == record.step
+        records = self.pending_pushes[p]
+        # The merge included one of the pending pushes, not necessarily the newest: with a round
+        # trip longer than H steps the next push was sent before this merge came back. That later
+        # push contains the included one, so the syncer rejects it (it overlaps a merged push):
+        # it is dropped here too, and what it held beyond the included push stays in θ_p.
+        hit = [i for i, r in enumerate(records) if included_step is not None and r.step == included_step]
+        included = bool(hit)
+        record = records[hit[0]] if included else (records[-1] if records else None)
         # rebase keeps unmerged progress only while its push can still be merged: a push that
         # `syncer.max_staleness` newer versions did not include (rejected, lost or too stale) is
         # given up, or a rejected contribution would keep growing and be rejected forever.
@@ -309,14 +347,17 @@ class LearnerCore:
         if mode != "rebase" or given_up:
             self.resyncs += given_up
             self.c_tok[p] = self.c_steps[p] = 0
-            self.last_push[p] = None
+            self.pending_pushes[p] = []
         elif record is not None and included:
             self.c_tok[p] -= record.tokens
             self.c_steps[p] -= record.steps
-            self.last_push[p] = None
-        elif record is not None:
-            # The pending push may still be merged later: move its θ by the same shift as θ.
-            record.theta = {n: record.theta[n] + (values[n] - self.anchor[p][n]) for n in values}
+            if self.cfg.compression.error_feedback:
+                self.residual[p] = record.residual  # what the merged push left unsent, not a later one's
+            self.pending_pushes[p] = []
+        else:
+            # The pending pushes may still be merged later: move their θ by the same shift as θ.
+            for r in records:
+                r.theta = {n: r.theta[n] + (values[n] - self.anchor[p][n]) for n in values}
         self.anchor[p] = {n: np.array(v, np.float32) for n, v in values.items()}
         self.version[p] = version
         new = inner.replicate({n: np.asarray(v, np.float32) for n, v in new.items()}, self.mesh)

@@ -129,12 +129,18 @@ class SyncerCore:
 
     def _check_replay(self, p: int, meta: ContributionMeta, in_round: bool = True) -> Decision:
         """A push of an incarnation whose step is not newer than its last merged one is a replay;
-        so is one whose round is being merged now (a blocking learner's resend, say)."""
+        so is one whose round is being merged now (a blocking learner's resend, say). A push covers
+        steps (step − c_steps, step]; one that starts before the last merged step was sent before
+        that merge reached its learner and contains the merged push: it would apply those steps
+        twice. The learner rebases on the merged push and sends the rest next (`LearnerCore.install`)."""
         if in_round and (meta.learner_id, meta.incarnation, meta.step) in self._inflight[p]:
             return Decision(False, f"replay: step {meta.step} is in the round being merged")
         last = self.merged[p].get(meta.learner_id)
         if last is not None and last[0] == meta.incarnation and meta.step <= last[1]:
             return Decision(False, f"replay: step {meta.step} was merged already (last merged step {last[1]})")
+        if not self.dp and last is not None and last[0] == meta.incarnation and meta.step - meta.steps < last[1]:
+            start = meta.step - meta.steps
+            return Decision(False, f"overlap: steps {start}..{meta.step} include merged step {last[1]}")
         return Decision(True, "accepted")
 
     def grace(self) -> float:

@@ -129,6 +129,28 @@ def test_receive_modes(cache, mode):
     np.testing.assert_array_equal(bp.plan.extract(core.state.params, 0)["embed/embedding"], got["embed/embedding"])
 
 
+def test_rebase_on_a_merge_of_an_older_pending_push(cache):
+    """A round trip longer than H steps: the merge of push A comes back after push B (which
+    contains A) was sent. The learner rebases on A, not on its old anchor: A's steps are not kept
+    a second time on top of the merge that holds them, and its next push covers only what came
+    after A (the syncer rejects B, which overlaps A)."""
+    cfg, bp, core = make(cache, "sync.every=4", "fragments.count=2", "sync.overlap=1", "learner.receive=rebase")
+    a = _run_until_push(core, 0)  # step 4
+    theta_a = bp.plan.extract(core.state.params, 0)
+    b = _run_until_push(core, 0)  # step 8: δ_B covers steps 0..8, A's included
+    assert (a.meta.step, b.meta.step, b.meta.steps) == (4, 8, 8)
+    core.step()  # step 9
+    theta_now = bp.plan.extract(core.state.params, 0)
+    merged = {n: x + 0.5 for n, x in core.anchor[0].items()}
+    core.install(0, 1, merged, included_step=a.meta.step)
+    got = bp.plan.extract(core.state.params, 0)
+    for n in merged:
+        np.testing.assert_allclose(got[n], merged[n] + theta_now[n] - theta_a[n], rtol=1e-5, atol=1e-6)
+    assert core.c_steps[0] == 5 and core.last_push[0] is None
+    c = _run_until_push(core, 0)  # step 12: covers 4..12
+    assert (c.meta.step, c.meta.steps, c.meta.base_version) == (12, 8, 1)
+
+
 def test_tiny_preset_single_learner_validation_loss_falls(cache, capsys):
     cfg = config.load(overrides=(f"data.cache_dir={cache}", "data.max_bytes=3000000"))
     bp = build.blueprint(cfg)

@@ -184,6 +184,34 @@ def test_nothing_valid_means_no_commit():
     assert out.commit is None and len(out.rejections) == 2 and s.version[1] == 0
 
 
+def test_a_push_overlapping_a_merged_push_is_rejected():
+    """Push A (steps 0..8) is merged; push B (steps 0..16) was sent before A's merge reached the
+    learner, so it contains A: merging it would apply steps 0..8 twice. C, sent after the learner
+    rebased on A (steps 8..24), is merged."""
+    _, s = make_syncer(**{"syncer.quorum": 1})
+
+    def merge_round(now):
+        items, _ = s.take(1, now)
+        out = s.merge(1, items, grace_used=0.0)
+        if out.commit is not None:
+            s.committed(out, sync_time=0.01)
+        return out
+
+    assert s.push(meta(0, tokens=80, steps=8, step=8), payload([1, 0, 0, 0]), now=0.0).accept
+    assert merge_round(0.0).commit.version == 1
+    d = s.push(meta(0, tokens=160, steps=16, step=16, base=0), payload([2, 0, 0, 0]), now=1.0)
+    assert not d.accept and d.reason == "overlap: steps 0..16 include merged step 8"
+    assert s.push(meta(0, tokens=160, steps=16, step=24, base=1), payload([1, 0, 0, 0]), now=2.0).accept
+    assert merge_round(2.0).commit.version == 2
+    # checked again at merge time: B waits in the next round while A's commit lands
+    assert s.push(meta(1, tokens=80, steps=8, step=8, base=2), payload([1, 0, 0, 0]), now=3.0).accept
+    items_a, _ = s.take(1, 3.0)
+    assert s.push(meta(1, tokens=160, steps=16, step=16, base=2), payload([2, 0, 0, 0]), now=3.5).accept
+    s.committed(s.merge(1, items_a, grace_used=0.0), sync_time=0.01)
+    out = merge_round(4.0)
+    assert out.commit is None and out.rejections[0]["reason"] == "overlap: steps 0..16 include merged step 8"
+
+
 def test_merge_weights_match_hand_computation_for_rda():
     w = merge.token_weights([300, 150], [10, 10])
     assert list(w / w.sum()) == pytest.approx([0.8, 0.2])
@@ -198,7 +226,7 @@ def test_outlier_check_compares_per_step_norms():
 
     def push_alone(m, steps, norm, now):
         x = [norm, 0, 0, 0]
-        step = 100 + int(now)  # newer each time
+        step = 100 * (1 + int(now))  # newer each time, and not overlapping the learner's last merged step
         assert s.push(meta(m, tokens=10 * steps, steps=steps, base=s.version[1], step=step), payload(x), now=now).accept
         items, _ = s.take(1, now)
         out = s.merge(1, items, grace_used=0.0)
