@@ -36,11 +36,11 @@ class FragmentStore:
     async def registry(self) -> dict[int, int]:
         return await asyncio.to_thread(self.service.registry)
 
-    async def fragments(self, held: bool = False, learner_id: int | None = None) -> tuple[list[int], list[dict]]:
-        return await asyncio.to_thread(self.service.fragments, held, learner_id)
+    async def fragments(self, shadow: bool = False, learner_id: int | None = None) -> tuple[list[int], list[dict]]:
+        return await asyncio.to_thread(self.service.fragments, shadow, learner_id)
 
-    async def held(self, p: int, learner_id: int | None = None) -> tuple[int, dict, int | None]:
-        return await asyncio.to_thread(self.service.held, p, learner_id)
+    async def shadow(self, p: int, learner_id: int | None = None) -> tuple[int, dict, int | None]:
+        return await asyncio.to_thread(self.service.shadow, p, learner_id)
 
     async def syncer_state(self):
         return await asyncio.to_thread(self.service.syncer_state)

@@ -132,10 +132,10 @@ class LearnerCore:
         params = plan.join([{n: np.asarray(a, np.float32) for n, a in f.items()} for f in fragments])
         self.state = inner.init_state(params, cfg.inner, mesh)._replace(step=step)
         P = plan.count
-        self.anchor: list[dict[str, np.ndarray]] = [{k: np.array(v) for k, v in f.items()} for f in fragments]
-        self.version = list(versions)
+        self.anchors: list[dict[str, np.ndarray]] = [{k: np.array(v) for k, v in f.items()} for f in fragments]
+        self.versions = list(versions)
         self.c_tok, self.c_steps = [0] * P, [0] * P
-        self.residual: list[dict[str, np.ndarray] | None] = [None] * P
+        self.residuals: list[dict[str, np.ndarray] | None] = [None] * P
         # per fragment: the pushes not known merged, oldest first (module docstring)
         self.pending_pushes: list[list[_PushRecord]] = [[] for _ in range(P)]
         self.tokens_per_step = stream.tokens_per_batch
@@ -148,7 +148,7 @@ class LearnerCore:
         self.outstanding: dict[int, int] = {}  # fragment → step of a push still awaiting its merge
 
     @property
-    def last_push(self) -> list[_PushRecord | None]:
+    def last_pushes(self) -> list[_PushRecord | None]:
         """Per fragment: the newest push not known merged, or None."""
         return [r[-1] if r else None for r in self.pending_pushes]
 
@@ -198,7 +198,7 @@ class LearnerCore:
     def _push(self, p: int, grads=None) -> Push | None:
         theta = self.plan.extract(self.state.params, p)
         if grads is None:
-            pseudo_grad = {n: self.anchor[p][n] - x for n, x in theta.items()}  # δ = anchor − θ
+            pseudo_grad = {n: self.anchors[p][n] - x for n, x in theta.items()}  # δ = anchor − θ
         else:
             pseudo_grad = self.plan.extract(grads, p)  # dp: the gradient itself
         if not all(np.isfinite(x).all() for x in (*theta.values(), *pseudo_grad.values())):
@@ -207,12 +207,12 @@ class LearnerCore:
             return None
         cfg = self.cfg.compression
         payload, residual = {}, {}
-        previous = self.residual[p]
+        previous = self.residuals[p]
         for n, delta in pseudo_grad.items():
             e = previous[n] if (cfg.error_feedback and previous is not None) else None
             payload[n], residual[n] = compress.encode_with_feedback(delta, e, cfg.dtype, cfg.block)
         if cfg.error_feedback:
-            self.residual[p] = residual
+            self.residuals[p] = residual
         records = self.pending_pushes[p]
         records.append(
             _PushRecord(
@@ -220,7 +220,7 @@ class LearnerCore:
                 theta,
                 self.c_tok[p],
                 self.c_steps[p],
-                self.version[p],
+                self.versions[p],
                 residual if cfg.error_feedback else None,
             )
         )
@@ -231,7 +231,7 @@ class LearnerCore:
             learner_id=self.learner_id,
             incarnation=self.incarnation,
             fragment_id=p,
-            base_version=self.version[p],
+            base_version=self.versions[p],
             tokens=self.c_tok[p],
             steps=self.c_steps[p],
             step=self.state.step,
@@ -243,9 +243,9 @@ class LearnerCore:
 
     def _reset_fragment(self, p: int) -> None:
         self.c_tok[p] = self.c_steps[p] = 0
-        self.residual[p] = None
+        self.residuals[p] = None
         self.pending_pushes[p] = []
-        anchor = inner.replicate(self.anchor[p], self.mesh)
+        anchor = inner.replicate(self.anchors[p], self.mesh)
         self.state = self.state._replace(params=self.plan.install(self.state.params, anchor))
 
     def receive(self, d: Delivery) -> bool:
@@ -256,13 +256,13 @@ class LearnerCore:
         `version − 1` (a version was missed): the caller fetches Θ̂_p in full instead.
         """
         p = d.fragment_id
-        if d.version <= self.version[p]:
+        if d.version <= self.versions[p]:
             return True
         old = self.inbox.get(p)
         if old is not None and d.version <= old.version:
             return True
         if d.delta is not None:
-            base_version, base = (old.version, old.values) if old is not None else (self.version[p], self.anchor[p])
+            base_version, base = (old.version, old.values) if old is not None else (self.versions[p], self.anchors[p])
             assert base is not None  # the inbox holds values: a delta is applied here, on arrival
             if base_version != (d.version - 1 if d.base_version is None else d.base_version):
                 return False
@@ -277,7 +277,7 @@ class LearnerCore:
         """Per fragment: the step of its last push that no merge includes yet, installed, queued in
         the inbox or `in_flight` (sent to it, not yet received); None if none: what
         `learner.install: own` waits on (`dloco.publish.due`)."""
-        out = [None if r is None else r.step for r in self.last_push]
+        out = [None if r is None else r.step for r in self.last_pushes]
         for d in [*self.inbox.values(), *in_flight]:
             s = out[d.fragment_id]
             if s is not None and d.included_step is not None and d.included_step >= s:
@@ -312,7 +312,7 @@ class LearnerCore:
         (any pending push, not only the newest: module docstring).
         """
         p = fragment_id
-        if version <= self.version[p]:
+        if version <= self.versions[p]:
             return  # an older or repeated publish: nothing new to install
         mode, alpha = self.cfg.learner.receive, self.cfg.learner.blend_alpha
         records = self.pending_pushes[p]
@@ -342,7 +342,7 @@ class LearnerCore:
             elif given_up:  # rebase, but the pending push can no longer be merged: resynchronize
                 new = {n: np.asarray(v, np.float32) for n, v in values.items()}
             else:  # rebase
-                base = record.theta if record is not None and included else self.anchor[p]
+                base = record.theta if record is not None and included else self.anchors[p]
                 new = {n: values[n] + (theta[n] - base[n]) for n in values}
         if mode != "rebase" or given_up:
             self.resyncs += given_up
@@ -352,13 +352,13 @@ class LearnerCore:
             self.c_tok[p] -= record.tokens
             self.c_steps[p] -= record.steps
             if self.cfg.compression.error_feedback:
-                self.residual[p] = record.residual  # what the merged push left unsent, not a later one's
+                self.residuals[p] = record.residual  # what the merged push left unsent, not a later one's
             self.pending_pushes[p] = []
         else:
             # The pending pushes may still be merged later: move their θ by the same shift as θ.
             for r in records:
-                r.theta = {n: r.theta[n] + (values[n] - self.anchor[p][n]) for n in values}
-        self.anchor[p] = {n: np.array(v, np.float32) for n, v in values.items()}
-        self.version[p] = version
+                r.theta = {n: r.theta[n] + (values[n] - self.anchors[p][n]) for n in values}
+        self.anchors[p] = {n: np.array(v, np.float32) for n, v in values.items()}
+        self.versions[p] = version
         new = inner.replicate({n: np.asarray(v, np.float32) for n, v in new.items()}, self.mesh)
         self.state = self.state._replace(params=self.plan.install(self.state.params, new))

@@ -49,7 +49,7 @@ class MergedPush:
 class Commit:
     """The syncer's result for one fragment round: Θ_p and s_p at `base_version + 1`.
 
-    With `compression.publish: delta` (ALGORITHM.md §7), `held` is the new shadow Θ̂_p (what an
+    With `compression.publish: delta` (ALGORITHM.md §7), `shadow` is the new shadow Θ̂_p (what an
     up-to-date learner holds) and `delta` the quantized Θ_p − Θ̂_p (old shadow) that learners
     add to their copy; both None when Θ_p itself is published.
     """
@@ -60,7 +60,7 @@ class Commit:
     outer_state: list[np.ndarray]
     merged: tuple[MergedPush, ...]
     commit_id: str
-    held: dict[str, np.ndarray] | None = None
+    shadow: dict[str, np.ndarray] | None = None
     delta: dict | None = None  # tensor name → compress.Payload
 
     @property
@@ -92,7 +92,7 @@ class _Fragment:
     outer_state: list[np.ndarray]
     ledger: dict[int, dict] = field(default_factory=dict)  # learner → {tokens, cursor, step, incarnation}
     commit_id: str = ""
-    held: dict[str, np.ndarray] | None = None  # shadow Θ̂_p (publish: delta), else None: Θ_p itself
+    shadow: dict[str, np.ndarray] | None = None  # Θ̂_p (publish: delta), else None: Θ_p itself
 
 
 def _cursor_key(c: dict | None) -> tuple[int, int]:
@@ -102,7 +102,7 @@ def _cursor_key(c: dict | None) -> tuple[int, int]:
 def _save_fragment(path: Path, f: _Fragment) -> None:
     arrays = {f"v/{k}": v for k, v in f.values.items()}
     arrays.update({f"s/{i}": s for i, s in enumerate(f.outer_state)})
-    arrays.update({f"h/{k}": v for k, v in (f.held or {}).items()})
+    arrays.update({f"h/{k}": v for k, v in (f.shadow or {}).items()})
     meta = {"version": f.version, "commit_id": f.commit_id, "ledger": {str(k): v for k, v in f.ledger.items()}}
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     buf = io.BytesIO()
@@ -116,9 +116,9 @@ def _load_fragment(path: Path) -> _Fragment:
         values = {k[2:]: z[k] for k in z.files if k.startswith("v/")}
         n_state = sum(k.startswith("s/") for k in z.files)
         state = [z[f"s/{i}"] for i in range(n_state)]
-        held = {k[2:]: z[k] for k in z.files if k.startswith("h/")} or None
+        shadow = {k[2:]: z[k] for k in z.files if k.startswith("h/")} or None
     ledger = {int(k): v for k, v in meta["ledger"].items()}
-    return _Fragment(meta["version"], values, state, ledger, meta["commit_id"], held)
+    return _Fragment(meta["version"], values, state, ledger, meta["commit_id"], shadow)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -172,10 +172,10 @@ class StoreCore:
         f = self.fragments[p]
         return f.version, f.values
 
-    def held(self, p: int) -> tuple[int, dict[str, np.ndarray]]:
+    def shadow(self, p: int) -> tuple[int, dict[str, np.ndarray]]:
         """(v_p, Θ̂_p): what an up-to-date learner holds (Θ_p itself unless publish is delta)."""
         f = self.fragments[p]
-        return f.version, f.values if f.held is None else f.held
+        return f.version, f.values if f.shadow is None else f.shadow
 
     def outer_state(self, p: int) -> list[np.ndarray]:
         return self.fragments[p].outer_state
@@ -240,8 +240,8 @@ class StoreCore:
                 "step": mp.step,
                 "incarnation": mp.incarnation,
             }
-        held = None if c.held is None else dict(c.held)
-        new = _Fragment(c.version, dict(c.values), list(c.outer_state), ledger, c.commit_id, held)
+        shadow = None if c.shadow is None else dict(c.shadow)
+        new = _Fragment(c.version, dict(c.values), list(c.outer_state), ledger, c.commit_id, shadow)
         _save_fragment(self.root / "wal" / f"p{c.fragment_id:03d}-v{c.version:08d}.npz", new)  # durable first
         self.fragments[c.fragment_id] = new
         self.commits += 1

@@ -70,7 +70,7 @@ class SyncerCore:
       embedding: tensor names merged by weighted mean.
       fragments: per fragment (version, values, outer-state leaves) from the store.
       registry: learner id → current incarnation, from the store.
-      held: per fragment the shadow Θ̂_p from the store (publish: delta); None: Θ_p.
+      shadows: per fragment the shadow Θ̂_p from the store (publish: delta); None: Θ_p.
       merged: per fragment, learner → (incarnation, step) of its last merged push (the store's
         ledger): a push not newer than that is a replay and is rejected.
 
@@ -86,15 +86,15 @@ class SyncerCore:
         embedding: frozenset[str],
         fragments: list[tuple[int, dict[str, np.ndarray], list[np.ndarray]]],
         registry: Mapping[int, int],
-        held: list[dict[str, np.ndarray]] | None = None,
+        shadows: list[dict[str, np.ndarray]] | None = None,
         merged: list[Mapping[int, tuple[int, int]]] | None = None,
     ) -> None:
         self.cfg, self.plan, self.embedding = cfg, plan, embedding
-        self.version = [v for v, _, _ in fragments]
+        self.versions = [v for v, _, _ in fragments]
         self.values = [dict(vals) for _, vals, _ in fragments]
         self.delta_publish = cfg.compression.publish == "delta"
-        self.held = [dict(h) for h in held] if held is not None else [dict(v) for v in self.values]
-        self.state = [outer.state_from_numpy(outer.outer_config(cfg), vals, s) for _, vals, s in fragments]
+        self.shadows = [dict(h) for h in shadows] if shadows is not None else [dict(v) for v in self.values]
+        self.states = [outer.state_from_numpy(outer.outer_config(cfg), vals, s) for _, vals, s in fragments]
         self.registry = dict(registry)
         self.rounds = [FragmentRound(p, cfg.syncer.quorum) for p in range(plan.count)]
         self.norms = [NormTracker(warmup=cfg.syncer.norm_warmup) for _ in range(plan.count)]
@@ -104,8 +104,10 @@ class SyncerCore:
         self.dropped: set[int] = set()  # elastic_dp: learners the current configuration runs without
         self._dropping: dict[int, list[int]] = {}  # fragment → learners its closing round dropped
         # fragment → learner → weight w_m of its last merged push (soft state for `share`)
-        self._last_weight: list[dict[int, float]] = [{} for _ in range(plan.count)]
-        self.merged: list[dict[int, tuple[int, int]]] = [dict(x) for x in merged or [{} for _ in range(plan.count)]]
+        self._last_weights: list[dict[int, float]] = [{} for _ in range(plan.count)]
+        self.merged_steps: list[dict[int, tuple[int, int]]] = [
+            dict(x) for x in merged or [{} for _ in range(plan.count)]
+        ]
         self._closing: dict[int, tuple[float, float, dict[int, int]]] = {}  # p → (ξ_grace, slack, registry) at take
         self._inflight: list[set[tuple[int, int, int]]] = [set() for _ in range(plan.count)]  # taken, not acked
 
@@ -115,7 +117,7 @@ class SyncerCore:
         if not 0 <= p < self.plan.count:
             return Decision(False, f"unknown fragment {p}")
         s = self.cfg.syncer
-        d = check_meta(meta, registry=self.registry, current_version=self.version[p], max_staleness=s.max_staleness)
+        d = check_meta(meta, registry=self.registry, current_version=self.versions[p], max_staleness=s.max_staleness)
         if self.registry.get(meta.learner_id) == meta.incarnation:
             self.dropped.discard(meta.learner_id)  # elastic_dp: a dropped learner is back
         if not d.accept:
@@ -135,7 +137,7 @@ class SyncerCore:
         twice. The learner rebases on the merged push and sends the rest next (`LearnerCore.install`)."""
         if in_round and (meta.learner_id, meta.incarnation, meta.step) in self._inflight[p]:
             return Decision(False, f"replay: step {meta.step} is in the round being merged")
-        last = self.merged[p].get(meta.learner_id)
+        last = self.merged_steps[p].get(meta.learner_id)
         if last is not None and last[0] == meta.incarnation and meta.step <= last[1]:
             return Decision(False, f"replay: step {meta.step} was merged already (last merged step {last[1]})")
         if not self.dp and last is not None and last[0] == meta.incarnation and meta.step - meta.steps < last[1]:
@@ -233,7 +235,7 @@ class SyncerCore:
             if payload is None:
                 reason = lost(meta) if lost else "payload lost"
             else:
-                d = check_meta(meta, registry=registry, current_version=self.version[p], max_staleness=s.max_staleness)
+                d = check_meta(meta, registry=registry, current_version=self.versions[p], max_staleness=s.max_staleness)
                 if d.accept:
                     d = self._check_replay(p, meta, in_round=False)
                 if d.accept:
@@ -261,7 +263,7 @@ class SyncerCore:
             metas.append(meta)
             nbytes_in += sum(x.nbytes for x in payload.values())
         if not metas:
-            return MergeOutcome(None, events.RoundEmpty(fragment=p, version=self.version[p]).to_dict(), rejections)
+            return MergeOutcome(None, events.RoundEmpty(fragment=p, version=self.versions[p]).to_dict(), rejections)
         if self.dp:  # the global-batch gradient: each learner's mean gradient weighted by its tokens
             weights = np.asarray([m.tokens for m in metas], np.float64)
         elif self.cfg.merge.weighting == "tokens":
@@ -272,21 +274,21 @@ class SyncerCore:
         share = self.share(p, metas, weights, registry)
         if share < 1.0:
             pseudo_grad = {n: x * np.float32(share) for n, x in pseudo_grad.items()}
-        values, state = self._outer_step(self.values[p], self.state[p], pseudo_grad, len(metas))
+        values, state = self._outer_step(self.values[p], self.states[p], pseudo_grad, len(metas))
         # per-step norms ‖δ‖ / c_steps (see above), recorded when the store acknowledges
         step_norms = tuple(
             float(np.sqrt(sum(v * v for v in tn.values()))) / max(m.steps, 1)
             for tn, m in zip(norms, metas, strict=True)
         )
-        held, published = self._publish(p, values)
+        shadow, published = self._publish(p, values)
         commit = Commit(
             fragment_id=p,
-            base_version=self.version[p],
+            base_version=self.versions[p],
             values=values,
             outer_state=outer.state_to_numpy(state),
             merged=tuple(MergedPush(m.learner_id, m.incarnation, m.step, m.tokens, m.steps, m.cursor) for m in metas),
             commit_id=uuid.uuid4().hex,
-            held=held,
+            shadow=shadow,
             delta=published,
         )
         event = events.Merge(
@@ -299,7 +301,7 @@ class SyncerCore:
             inner_steps=[m.steps for m in metas],
             weights=[float(w) for w in np.asarray(weights) / np.sum(weights)],
             share=share,
-            staleness=[self.version[p] - m.base_version for m in metas],
+            staleness=[self.versions[p] - m.base_version for m in metas],
             cycle_s=[m.cycle_time for m in metas],
             grace_s=grace_used,
             grace_window_s=grace_window,
@@ -324,7 +326,7 @@ class SyncerCore:
         """
         w = np.asarray(weights, np.float64)
         registry = self.registry if registry is None else registry
-        last = dict(self._last_weight[p])
+        last = dict(self._last_weights[p])
         for m, wm in zip(metas, w, strict=True):
             last[m.learner_id] = float(wm)
         if self.dp or not self.cfg.merge.scale_by_share:
@@ -343,11 +345,11 @@ class SyncerCore:
         if not self.delta_publish:
             return None, None
         c = self.cfg.compression
-        held, q = {}, {}
+        shadow, q = {}, {}
         for n, x in values.items():
-            q[n] = compress.encode(np.asarray(x, np.float32) - self.held[p][n], c.publish_dtype, c.block)
-            held[n] = self.held[p][n] + compress.decode(q[n])
-        return held, q
+            q[n] = compress.encode(np.asarray(x, np.float32) - self.shadows[p][n], c.publish_dtype, c.block)
+            shadow[n] = self.shadows[p][n] + compress.decode(q[n])
+        return shadow, q
 
     def committed(self, outcome: MergeOutcome, sync_time: float) -> None:
         """The store acknowledged `outcome.commit`: adopt Θ_p, s_p, v_p (Θ̂_p), the round's norms,
@@ -355,13 +357,13 @@ class SyncerCore:
         c = outcome.commit
         assert c is not None, "committed() acknowledges an outcome that has a commit"
         p = c.fragment_id
-        self.values[p], self.version[p], self.state[p] = c.values, c.version, outcome.outer_state
-        self.held[p] = c.values if c.held is None else c.held
+        self.values[p], self.versions[p], self.states[p] = c.values, c.version, outcome.outer_state
+        self.shadows[p] = c.values if c.shadow is None else c.shadow
         for n in outcome.norms:
             self.norms[p].record(n)
-        self._last_weight[p].update(outcome.weights)
+        self._last_weights[p].update(outcome.weights)
         for mp in c.merged:
-            self.merged[p][mp.learner_id] = (mp.incarnation, mp.step)
+            self.merged_steps[p][mp.learner_id] = (mp.incarnation, mp.step)
         self._inflight[p] = set()
         self.timings.observe_sync_time(sync_time)
 
@@ -371,13 +373,13 @@ class SyncerCore:
         version: int,
         values: dict[str, np.ndarray],
         state: list[np.ndarray],
-        held: dict[str, np.ndarray] | None = None,
+        shadow: dict[str, np.ndarray] | None = None,
     ) -> None:
         """Adopt the store's state of fragment p (after a rejected commit or a store restart)."""
         self._closing.pop(p, None)
-        self.version[p], self.values[p] = version, dict(values)
-        self.held[p] = dict(values if held is None else held)
-        self.state[p] = outer.state_from_numpy(outer.outer_config(self.cfg), values, state)
+        self.versions[p], self.values[p] = version, dict(values)
+        self.shadows[p] = dict(values if shadow is None else shadow)
+        self.states[p] = outer.state_from_numpy(outer.outer_config(self.cfg), values, state)
 
     def update_registry(self, registry: Mapping[int, int]) -> None:
         self.registry = dict(registry)

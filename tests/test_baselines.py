@@ -84,7 +84,7 @@ def elastic_syncer(timeout=2.0, algorithm="elastic_dp"):
 
 
 def push(s, grad, m, now, inc=1):
-    meta = ContributionMeta(m, inc, 0, s.version[0], 100, 1, s.version[0] + 1, 0.1, None)
+    meta = ContributionMeta(m, inc, 0, s.versions[0], 100, 1, s.versions[0] + 1, 0.1, None)
     return s.push(meta, grad, now)
 
 

@@ -106,9 +106,9 @@ def test_own_learners_hold_their_copy_close_to_the_global_model_and_train_alike(
         core.apply_inbox()
         for p in range(own.blueprint.plan.count):
             v, theta = own.store.fragment(p)
-            if core.version[p] == v:
+            if core.versions[p] == v:
                 for n, x in theta.items():
-                    assert np.abs(core.anchor[p][n] - x).max() <= 0.5 * np.abs(x).max() / 7 + 1e-7
+                    assert np.abs(core.anchors[p][n] - x).max() <= 0.5 * np.abs(x).max() / 7 + 1e-7
                     checked += 1
     assert checked > 0
     a, b = runs["every"].evaluate(), own.evaluate()

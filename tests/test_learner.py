@@ -103,7 +103,7 @@ def test_receive_modes(cache, mode):
     theta_push = bp.plan.extract(core.state.params, 0)
     core.step()  # step 5: progress after the push
     theta_now = bp.plan.extract(core.state.params, 0)
-    anchor = {n: a.copy() for n, a in core.anchor[0].items()}
+    anchor = {n: a.copy() for n, a in core.anchors[0].items()}
     merged = {n: a + 0.5 for n, a in anchor.items()}
     included = push.meta.step if mode != "rebase_not_included" else None
     core.install(0, 1, merged, included_step=included)
@@ -123,7 +123,7 @@ def test_receive_modes(cache, mode):
         "rebase_included": (1, tokens_per_step),
         "rebase_not_included": (5, 5 * tokens_per_step),
     }[mode]
-    assert core.version[0] == 1 and all(np.array_equal(core.anchor[0][n], merged[n]) for n in merged)
+    assert core.versions[0] == 1 and all(np.array_equal(core.anchors[0][n], merged[n]) for n in merged)
     # a repeated or older publish changes nothing
     core.install(0, 1, {n: a + 9.0 for n, a in merged.items()}, included_step=None)
     np.testing.assert_array_equal(bp.plan.extract(core.state.params, 0)["embed/embedding"], got["embed/embedding"])
@@ -141,12 +141,12 @@ def test_rebase_on_a_merge_of_an_older_pending_push(cache):
     assert (a.meta.step, b.meta.step, b.meta.steps) == (4, 8, 8)
     core.step()  # step 9
     theta_now = bp.plan.extract(core.state.params, 0)
-    merged = {n: x + 0.5 for n, x in core.anchor[0].items()}
+    merged = {n: x + 0.5 for n, x in core.anchors[0].items()}
     core.install(0, 1, merged, included_step=a.meta.step)
     got = bp.plan.extract(core.state.params, 0)
     for n in merged:
         np.testing.assert_allclose(got[n], merged[n] + theta_now[n] - theta_a[n], rtol=1e-5, atol=1e-6)
-    assert core.c_steps[0] == 5 and core.last_push[0] is None
+    assert core.c_steps[0] == 5 and core.last_pushes[0] is None
     c = _run_until_push(core, 0)  # step 12: covers 4..12
     assert (c.meta.step, c.meta.steps, c.meta.base_version) == (12, 8, 1)
 

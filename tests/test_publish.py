@@ -26,11 +26,11 @@ def test_learners_hold_the_shadow_bit_for_bit(delta_run):
     for core in run.learners:
         core.apply_inbox()
         for p in range(run.blueprint.plan.count):
-            version, held = run.store.held(p)
-            if core.version[p] != version:
+            version, shadow = run.store.shadow(p)
+            if core.versions[p] != version:
                 continue
-            for n, x in held.items():
-                np.testing.assert_array_equal(core.anchor[p][n], x)  # exactly, not approximately
+            for n, x in shadow.items():
+                np.testing.assert_array_equal(core.anchors[p][n], x)  # exactly, not approximately
                 checked += 1
     assert checked >= len(run.learners) * run.blueprint.plan.count // 2
 
@@ -39,13 +39,13 @@ def test_shadow_is_within_one_quantization_step_of_the_global_model(delta_run):
     run = delta_run
     for p in range(run.blueprint.plan.count):
         _, theta = run.store.fragment(p)
-        _, held = run.store.held(p)
+        _, shadow = run.store.shadow(p)
         for n in theta:
             # the residual is what the last int4 publish could not represent: at most half a step
             # of a block scale, itself at most max|Θ − Θ̂_old| / 7
-            gap = np.abs(theta[n] - held[n])
+            gap = np.abs(theta[n] - shadow[n])
             assert gap.max() <= 0.5 * np.abs(theta[n]).max() / 7 + 1e-7, n
-            assert not np.array_equal(theta[n], held[n]) or gap.max() == 0
+            assert not np.array_equal(theta[n], shadow[n]) or gap.max() == 0
 
 
 def test_merge_events_count_the_published_delta_bytes(delta_run):
@@ -71,8 +71,8 @@ def test_store_restores_the_shadow(delta_run):
     again = StoreCore(run.store.root, [dict(f) for f in run.blueprint.initial], [[] for _ in run.blueprint.initial])
     assert again.versions == run.store.versions
     for p in range(run.blueprint.plan.count):
-        for n, x in run.store.held(p)[1].items():
-            np.testing.assert_array_equal(again.held(p)[1][n], x)
+        for n, x in run.store.shadow(p)[1].items():
+            np.testing.assert_array_equal(again.shadow(p)[1][n], x)
         for n, x in run.store.fragment(p)[1].items():
             np.testing.assert_array_equal(again.fragment(p)[1][n], x)
 
@@ -80,12 +80,12 @@ def test_store_restores_the_shadow(delta_run):
 def test_a_delta_on_top_of_a_missed_version_is_refused(delta_run):
     core = delta_run.learners[0]
     p = 0
-    v = core.version[p]
-    zero = {n: compress.encode(np.zeros_like(x), "int4") for n, x in core.anchor[p].items()}
+    v = core.versions[p]
+    zero = {n: compress.encode(np.zeros_like(x), "int4") for n, x in core.anchors[p].items()}
     assert not core.receive(Delivery(p, v + 2, None, None, delta=zero))  # v + 1 was never seen
     assert p not in core.inbox
-    one = {n: compress.encode(np.ones_like(x), "int4") for n, x in core.anchor[p].items()}
+    one = {n: compress.encode(np.ones_like(x), "int4") for n, x in core.anchors[p].items()}
     assert core.receive(Delivery(p, v + 1, None, None, delta=one))
-    for n, x in core.anchor[p].items():
+    for n, x in core.anchors[p].items():
         np.testing.assert_array_equal(core.inbox[p].values[n], x + compress.decode(one[n]))
     core.inbox.pop(p)

@@ -109,13 +109,13 @@ def test_round_merges_with_token_weights_and_outer_step():
     np.testing.assert_allclose(out.commit.values["w"], [-0.8 * 2 / 3, -0.2 * 2 / 3, 0, 0], rtol=1e-6)
     assert out.commit.version == 1 and [mp.learner_id for mp in out.commit.merged] == [0, 1]
     s.committed(out, sync_time=0.01)
-    assert s.version[1] == 1
+    assert s.versions[1] == 1
 
 
 def merge_alone(s, m, tokens, x, now):
     """Pushes one contribution to fragment 1, closes its round and commits it; returns the merge event."""
-    step = 10 * (s.version[1] + 1)  # a newer step each time: a merged step pushed again is a replay
-    assert s.push(meta(m, tokens=tokens, base=s.version[1], step=step), payload(x), now=now).accept
+    step = 10 * (s.versions[1] + 1)  # a newer step each time: a merged step pushed again is a replay
+    assert s.push(meta(m, tokens=tokens, base=s.versions[1], step=step), payload(x), now=now).accept
     items, _ = s.take(1, now)
     out = s.merge(1, items, grace_used=0.0)
     s.committed(out, sync_time=0.01)
@@ -134,7 +134,7 @@ def test_partial_rounds_are_scaled_by_their_share_of_the_live_weight():
     np.testing.assert_allclose(s.values[1]["w"], [-1, -3 * 8 / 15, 0, 0], rtol=1e-6)
     # a round with every registered learner is applied in full
     for m in range(3):
-        assert s.push(meta(m, base=s.version[1], step=30), payload([0, 0, 3, 0]), now=2.0).accept
+        assert s.push(meta(m, base=s.versions[1], step=30), payload([0, 0, 3, 0]), now=2.0).accept
     items, _ = s.take(1, 2.0)
     out = s.merge(1, items, grace_used=0.0)
     assert out.event["share"] == 1.0
@@ -181,7 +181,7 @@ def test_nothing_valid_means_no_commit():
     s.push(meta(1), payload([np.inf, 0, 0, 0]), now=0)
     items, _ = s.take(1, 0.0)
     out = s.merge(1, items, grace_used=0.0)
-    assert out.commit is None and len(out.rejections) == 2 and s.version[1] == 0
+    assert out.commit is None and len(out.rejections) == 2 and s.versions[1] == 0
 
 
 def test_a_push_overlapping_a_merged_push_is_rejected():
@@ -227,7 +227,9 @@ def test_outlier_check_compares_per_step_norms():
     def push_alone(m, steps, norm, now):
         x = [norm, 0, 0, 0]
         step = 100 * (1 + int(now))  # newer each time, and not overlapping the learner's last merged step
-        assert s.push(meta(m, tokens=10 * steps, steps=steps, base=s.version[1], step=step), payload(x), now=now).accept
+        assert s.push(
+            meta(m, tokens=10 * steps, steps=steps, base=s.versions[1], step=step), payload(x), now=now
+        ).accept
         items, _ = s.take(1, now)
         out = s.merge(1, items, grace_used=0.0)
         if out.commit is not None:
@@ -258,6 +260,6 @@ def test_a_replayed_push_is_rejected_and_never_merged_twice():
     late = s.push(meta(1, base=1, step=20), payload([0, 3, 0, 0]), now=1.5)
     assert not late.accept and "round being merged" in late.reason
     s.committed(s.merge(1, items, grace_used=0.0), sync_time=0.01)
-    assert s.merged[1] == {0: (1, 10), 1: (1, 20)} and s.version[1] == 2
+    assert s.merged_steps[1] == {0: (1, 10), 1: (1, 20)} and s.versions[1] == 2
     s.update_registry({0: 2, 1: 1, 2: 1})  # learner 0 restarted: its steps count anew
     assert s.push(meta(0, base=2, step=10, inc=2), payload([1, 0, 0, 0]), now=2.0).accept

@@ -1,7 +1,7 @@
 """The learner's protocol (ALGORITHM.md §4, §9, §10) around `dloco.learner.LearnerCore`.
 
-On construction a learner registers with the store (a new incarnation), installs the held
-fragments Θ̂_p and resumes its data stream from its merged cursor. `step` trains one batch and
+On construction a learner registers with the store (a new incarnation), installs the
+shadow fragments Θ̂_p and resumes its data stream from its merged cursor. `step` trains one batch and
 sends the pushes that fell due: the payload is put with the transport and announced to the
 syncer. `receive` takes the store's updates: the payload is fetched and queued for install; a delta
 on top of a version the learner does not hold, or a payload that cannot be fetched any more, is
@@ -41,7 +41,7 @@ class LearnerService:
         self.store, self.syncer, self.transport, self.clock = store, syncer, transport, clock
         bp = build.blueprint(cfg)
         reg = store.register(learner_id)
-        versions, fragments = store.fragments(held=True, learner_id=learner_id)
+        versions, fragments = store.fragments(shadow=True, learner_id=learner_id)
         cursor = Cursor.from_dict(reg.cursor) if reg.cursor else None
         batch = build.learner_batch_size(cfg, learner_id)
         stream = build.stream(cfg, bp.corpus.load_split("train"), learner_id, cursor, batch)
@@ -133,14 +133,14 @@ class LearnerService:
             self.installs += 1
 
     def _fetch_full(self, p: int) -> None:
-        version, values, included = self.store.held(p, self.learner_id)
+        version, values, included = self.store.shadow(p, self.learner_id)
         d = Delivery(p, version, values, included)
         self.core.receive(d)
         self.bytes_in += d.nbytes
 
     def known(self, in_transit: Iterable[Update] = ()) -> list[int]:
         """Newest version of each fragment this learner has: installed, queued or `in_transit`."""
-        known = list(self.core.version)
+        known = list(self.core.versions)
         newer: list[Delivery | Update] = [*self.core.inbox.values(), *in_transit]
         for d in newer:
             known[d.fragment_id] = max(known[d.fragment_id], d.version)
@@ -160,7 +160,7 @@ class LearnerService:
             "installs": self.installs,
             "bytes_out": self.bytes_out,
             "bytes_in": self.bytes_in,
-            "versions": list(c.version),
+            "versions": list(c.versions),
         }
 
     def drain_events(self) -> list[dict]:

@@ -112,25 +112,25 @@ class StoreService:
         with self.lock:
             return self.core.live_registry()
 
-    def fragments(self, held: bool = False, learner_id: int | None = None) -> tuple[list[int], list[dict]]:
-        """All fragments (versions, values): Θ_p for evaluation, or with `held` Θ̂_p, what a
+    def fragments(self, shadow: bool = False, learner_id: int | None = None) -> tuple[list[int], list[dict]]:
+        """All fragments (versions, values): Θ_p for evaluation, or with `shadow` the shadows Θ̂_p, what a
         (re)starting learner installs (`learner_id`: recorded as what it holds)."""
         with self.lock:
-            get = self.core.held if held else self.core.fragment
+            get = self.core.shadow if shadow else self.core.fragment
             frs = [get(p) for p in range(self.count)]
-            s = self.sessions.get(learner_id) if held and learner_id is not None else None
+            s = self.sessions.get(learner_id) if shadow and learner_id is not None else None
             for p, (v, values) in enumerate(frs):
                 if s is not None:
                     s.sent[p] = max(s.sent[p], v)
-                if held and learner_id is not None and self.per_learner:
+                if shadow and learner_id is not None and self.per_learner:
                     self.copies.set(learner_id, p, v, values)
             return [v for v, _ in frs], [values for _, values in frs]
 
-    def held(self, p: int, learner_id: int | None = None) -> tuple[int, dict, int | None]:
+    def shadow(self, p: int, learner_id: int | None = None) -> tuple[int, dict, int | None]:
         """(v_p, Θ̂_p, step of the learner's last push merged into p): one fragment in full, for a
         learner that could not apply a delta (it missed a version) or lost a payload."""
         with self.lock:
-            v, values = self.core.held(p)
+            v, values = self.core.shadow(p)
             merged = None if learner_id is None else self._merged(p, learner_id)
             s = self.sessions.get(learner_id) if learner_id is not None else None
             if s is not None:
@@ -169,7 +169,7 @@ class StoreService:
                 {m: (int(e["incarnation"]), int(e["step"])) for m, e in self.core.last_merged(p).items()}
                 for p in range(n)
             ]
-            return frs, self.core.live_registry(), [self.core.held(p)[1] for p in range(n)], merged
+            return frs, self.core.live_registry(), [self.core.shadow(p)[1] for p in range(n)], merged
 
     def commit(self, c: Commit) -> CommitResult:
         """Logs and applies the commit (compare-and-set), then mails it to the learners due for it."""
@@ -192,7 +192,7 @@ class StoreService:
         if not publish.due(self.cfg.learner.install, v, s.sent[p], s.told[p], merged, self.cfg.syncer.max_staleness):
             return
         if self.per_learner:
-            target, full = self.core.fragment(p)[1], self.core.held(p)[1]
+            target, full = self.core.fragment(p)[1], self.core.shadow(p)[1]
             kind, obj, base = self.copies.prepare(m, p, v, s.sent[p], target, full)
             ref = self.transport.put(obj)
         else:
@@ -209,7 +209,7 @@ class StoreService:
     def _full_ref(self, p: int, v: int) -> Any:
         full = self._full.get(p)
         if full is None or full[0] != v:  # put once per version, however many learners need it
-            full = self._full[p] = (v, self.transport.put(self.core.held(p)[1]))
+            full = self._full[p] = (v, self.transport.put(self.core.shadow(p)[1]))
         return full[1]
 
     def summary(self) -> dict:

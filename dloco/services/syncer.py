@@ -30,10 +30,10 @@ class SyncerService:
     def __init__(self, cfg: RunConfig, store: StorePeer, transport: Transport, clock: Clock) -> None:
         self.cfg, self.store, self.transport, self.clock = cfg, store, transport, clock
         bp = build.blueprint(cfg)
-        frs, registry, held, merged = store.syncer_state()
-        self.core = SyncerCore(cfg, bp.plan, bp.embedding, frs, registry, held, merged)
+        frs, registry, shadows, merged = store.syncer_state()
+        self.core = SyncerCore(cfg, bp.plan, bp.embedding, frs, registry, shadows, merged)
         self.lock = threading.Lock()
-        self.events: list[dict] = [events.SyncerStart(time=clock.wall(), versions=list(self.core.version)).to_dict()]
+        self.events: list[dict] = [events.SyncerStart(time=clock.wall(), versions=list(self.core.versions)).to_dict()]
 
     def push(self, meta: ContributionMeta, ref: Any) -> Decision:
         """Accepts or rejects one contribution; `ref` is where the transport put its payload."""
@@ -94,16 +94,16 @@ class SyncerService:
                 {**outcome.event, "time": self.clock.wall(), "sync_s": self.clock.now() - t0, "push_age_s": ages}
             )
         else:  # the store moved on (e.g. restored): adopt its state, the round's work is dropped
-            frs, _, held, _ = self.store.syncer_state()
+            frs, _, shadows, _ = self.store.syncer_state()
             version, values, state = frs[p]
             with self.lock:
-                self.core.reload(p, version, values, state, held[p])
+                self.core.reload(p, version, values, state, shadows[p])
             self.events.append(events.CommitRejected(time=wall, fragment=p, reason=result.reason).to_dict())
 
     def status(self) -> dict:
         with self.lock:
             return {
-                "versions": list(self.core.version),
+                "versions": list(self.core.versions),
                 "pending": [len(r.pending) for r in self.core.rounds],
                 "grace_s": self.core.grace(),
                 "slack_s": self.core.slack(),
