@@ -14,8 +14,7 @@ q = encode(Θ_p − Θ̂_p, `publish_dtype`) and the new shadow Θ̂_p + decode(
 Θ̂_p applies the same float32 addition and holds the new shadow bit for bit. What the wire lost
 stays in Θ_p − Θ̂_p and is sent with the next publish (error feedback). That q is what learners
 get with `learner.install: every`; with `own` the store encodes a delta per learner instead
-(`dloco.publish`), and Θ̂_p is what a (re)starting learner is sent in full.
-Every decision comes back with its reason, for the caller to log as an event.
+(`dloco.publish`). Every decision comes back with its reason, for the caller to log as an event.
 
 Data-parallel baselines (§9): `dp` is the same machinery with H = P = 1 and K = M (a dead or
 frozen learner stops every step); contributions are gradients averaged by tokens (w_m = c_tok),

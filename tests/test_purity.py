@@ -30,3 +30,14 @@ def test_importing_every_module_loads_no_ray():
     code = "import sys; " + "; ".join(f"import {m}" for m in modules) + "; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_no_module_of_the_library_or_the_actors_is_over_400_lines():
+    """Files are split along their seams before they grow past what one reading holds."""
+    long = {}
+    for root in (ROOT, ROOT.parent / "actors"):
+        for path in root.rglob("*.py"):
+            n = len(path.read_text().splitlines())
+            if n > 400:
+                long[str(path.relative_to(ROOT.parent))] = n
+    assert long == {}
