@@ -180,8 +180,9 @@ class StoreService:
                 self._shared.pop(p, None)
                 if c.delta is not None:
                     self._shared[p] = (result.version, "delta", self.transport.put(c.delta))
+                live = self.core.live_registry()
                 for m, s in self.sessions.items():
-                    if self.core.live_registry().get(m) == s.incarnation:
+                    if live.get(m) == s.incarnation:
                         self._offer(m, s, p, c)
             return result
 
