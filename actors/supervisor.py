@@ -180,7 +180,8 @@ class RunHandle:
         """Every event so far (or those of one kind: merge, eval, rejection, learner_restart, ...),
         read back from ``metrics.jsonl``: the driver itself keeps only `recent` ones."""
         with self._lock:
-            self._metrics_file.flush()
+            if not self._metrics_file.closed:  # after stop() the file is complete on disk
+                self._metrics_file.flush()
         out = []
         with open(self._metrics_path) as fh:
             for line in fh:

@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
-RUN = ("metrics.eval_every_s=1000", "store.snapshot_every=4", "learners.num_cpus=0.5")
+RUN = ("metrics.eval_every_s=1000", "store.snapshot_every=4", "learners.num_cpus=0.5", "budget.tokens=0")
 
 
 @pytest.fixture

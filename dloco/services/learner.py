@@ -156,6 +156,7 @@ class LearnerService:
             "tokens": c.step_count * c.tokens_per_step,
             "tokens_this_incarnation": (c.step_count - self.start_step) * c.tokens_per_step,
             "resyncs": c.resyncs,
+            "skipped_pushes": c.skipped,
             "pushes": self.pushes,
             "installs": self.installs,
             "bytes_out": self.bytes_out,
