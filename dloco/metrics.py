@@ -24,9 +24,12 @@ killed learner, overwritten after an install, trained after the run's last merge
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+from dloco.tally import Tally, push_progress, union_length
 
 
 def uptime(
@@ -57,21 +60,6 @@ def uptime(
     return max(0.0, 1.0 - union_length(stalled) / (end - start))
 
 
-def union_length(intervals: Iterable[tuple[float, float]]) -> float:
-    """Total length of the union of closed intervals (lo, hi)."""
-    total, cur_lo, cur_hi = 0.0, 0.0, None
-    for lo, hi in sorted(intervals):
-        if cur_hi is None or lo > cur_hi:
-            if cur_hi is not None:
-                total += cur_hi - cur_lo
-            cur_lo, cur_hi = lo, hi
-        else:
-            cur_hi = max(cur_hi, hi)
-    if cur_hi is not None:
-        total += cur_hi - cur_lo
-    return total
-
-
 def typical_cycle(busy: Sequence[float], waits: Sequence[float] = (), outlier: float = 3.0) -> float:
     """Typical seconds per step: mean work per step plus the typical wait for merges.
 
@@ -98,58 +86,41 @@ def merged_progress(events: Iterable[Mapping[str, Any]], fragments: int) -> list
     A merged push of learner m at local step s with c_steps = n covers its steps (s − n, s] of that
     fragment; only steps beyond the highest one already merged into the fragment are new, so
     progress that reached the model twice (a push sent before the previous one's merge was
-    installed) or was retrained after a restart counts once.
+    installed) or was retrained after a restart counts once (`dloco.tally.push_progress`).
     """
     out: list[dict[str, float]] = []
     merged_to: dict[tuple[int, int], int] = {}  # (learner, fragment) → highest step merged
-    for e in sorted(events, key=lambda e: float(e.get("time", 0.0))):
-        if e.get("event") != "merge":
-            continue
-        p = int(e["fragment"])
-        cycles = e.get("cycle_s") or [0.0] * len(e["contributors"])
-        for m, step, n, tok, cycle in zip(
-            e["contributors"], e["steps"], e["inner_steps"], e["tokens"], cycles, strict=True
-        ):
-            hi = merged_to.get((int(m), p), -1)
-            new = max(0, step - max(hi, step - n))
-            merged_to[(int(m), p)] = max(hi, step)
-            per_step = tok / n if n else 0.0
-            out.append(
-                {"time": float(e["time"]), "learner": int(m), "seconds": new * cycle / fragments,
-                 "tokens": new * per_step / fragments}
-            )  # fmt: skip
+    for e in _in_time_order(events):
+        if e.get("event") == "merge":
+            out += push_progress(e, merged_to, fragments)
     return out
+
+
+def _in_time_order(events: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return sorted(events, key=lambda e: float(e.get("time", 0.0)))
+
+
+def _tally(events: Iterable[Mapping[str, Any]], fragments: int) -> Tally:
+    t = Tally(fragments, math.inf, 0.0, ring=1)
+    for e in _in_time_order(events):
+        t.add(e)
+    return t
 
 
 def learner_time(events: Iterable[Mapping[str, Any]], end: float, fragments: int) -> dict[int, dict[str, float]]:
     """Per learner: ``provisioned`` and ``merged`` seconds and ``merged_tokens`` (module docstring).
 
-    Provisioning starts at the learner's ``learner_start`` event and ends at `end` or at its
-    ``learner_stop`` (it left the run for good); merged time and tokens are `merged_progress`'s.
+    Provisioning starts at the learner's ``learner_start`` event (or its first merge) and ends at
+    `end` or at its ``learner_stop`` (it left the run for good); merged time and tokens are
+    `merged_progress`'s. The events are folded in time order into a `dloco.tally.Tally`, the
+    running form the driver keeps.
     """
-    events = list(events)
-    out: dict[int, dict[str, float]] = {}
-    for e in sorted(events, key=lambda e: float(e.get("time", 0.0))):
-        kind = e.get("event")
-        if kind in ("learner_start", "merge"):
-            for m in [e["learner"]] if kind == "learner_start" else e["contributors"]:
-                out.setdefault(int(m), {"start": float(e["time"]), "stop": end, "merged": 0.0, "merged_tokens": 0.0})
-        if kind == "learner_stop" and int(e["learner"]) in out:
-            out[int(e["learner"])]["stop"] = float(e["time"])
-    for r in merged_progress(events, fragments):
-        out[int(r["learner"])]["merged"] += r["seconds"]
-        out[int(r["learner"])]["merged_tokens"] += r["tokens"]
-    return {
-        m: {"provisioned": max(0.0, v["stop"] - v["start"]), "merged": v["merged"], "merged_tokens": v["merged_tokens"]}
-        for m, v in out.items()
-    }
+    return _tally(events, fragments).learner_time(end)
 
 
 def goodput(events: Iterable[Mapping[str, Any]], end: float, fragments: int) -> float:
     """Σ merged learner-time ÷ Σ provisioned learner-time (module docstring); 0 if nothing was provisioned."""
-    per = learner_time(events, end, fragments).values()
-    provisioned = sum(v["provisioned"] for v in per)
-    return sum(v["merged"] for v in per) / provisioned if provisioned > 0 else 0.0
+    return _tally(events, fragments).goodput(end)
 
 
 def downtimes(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -161,31 +132,7 @@ def downtimes(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     the first merge holding a push of that new incarnation: ``merged_again``, ``rejoin_s`` =
     merged_again − killed. Either is None if the run ended first.
     """
-    out: list[dict[str, Any]] = []
-    restarting: dict[int, dict[str, Any]] = {}
-    rejoining: dict[tuple[int, int], dict[str, Any]] = {}  # (learner, new incarnation) → its kill
-    for e in sorted(events, key=lambda e: float(e.get("time", 0.0))):
-        kind = e.get("event")
-        if kind == "fault" and e.get("kind") == "kill" and str(e.get("target", "")).startswith("learner-"):
-            if not e.get("skipped"):
-                m = int(e["target"].split("-")[1])
-                d: dict[str, Any] = {"learner": m, "killed": float(e["time"]), "back": None, "downtime_s": None}
-                d |= {"merged_again": None, "rejoin_s": None}
-                restarting[m] = d
-                out.append(d)
-        elif kind in ("learner_start", "learner_restart") and int(e["learner"]) in restarting:
-            d = restarting.pop(int(e["learner"]))
-            d["back"] = float(e["time"])
-            d["downtime_s"] = d["back"] - d["killed"]
-            rejoining[(int(e["learner"]), int(e.get("incarnation", 1)))] = d
-        elif kind == "merge":
-            for m, inc in zip(e["contributors"], e.get("incarnations", ()), strict=False):
-                key = (int(m), int(inc))
-                if key in rejoining:
-                    d = rejoining.pop(key)
-                    d["merged_again"] = float(e["time"])
-                    d["rejoin_s"] = d["merged_again"] - d["killed"]
-    return out
+    return _tally(events, 1).downtimes()
 
 
 def longest_commit_gaps(events: Iterable[Mapping[str, Any]], start: float, end: float, n: int = 3) -> list[float]:

@@ -2,10 +2,10 @@
 
 `Tally.add` folds each event into counters and per-learner, per-fragment accumulators and keeps a
 bounded ring of recent events; memory stays flat however long the run, and each query is O(learners
-+ fragments + stalls), not O(events). The numbers equal the batch functions of `dloco.metrics`
-over the same events (tests/test_goodput_accounting.py checks that on the same traces), which
-remain the definitions: goodput and learner time (`metrics.learner_time`), uptime
-(`metrics.uptime`), kill downtimes (`metrics.downtimes`), the longest commit gaps.
++ fragments + stalls), not O(events). `dloco.metrics`' functions over a whole event list
+(`learner_time`, `goodput`, `downtimes`) fold the events through a Tally too, and merged progress
+has one definition, `push_progress`; the test of the tally checks it against `metrics.uptime` and
+`metrics.longest_commit_gaps` and the hand-computed traces.
 
 Events from different actors reach the driver slightly out of time order; the accounts need only
 the orders that causality fixes (a learner's registration before its merges, a kill before the
@@ -16,10 +16,44 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from dloco import metrics
+
+def push_progress(
+    e: Mapping[str, Any], merged_to: dict[tuple[int, int], int], fragments: int
+) -> list[dict[str, float]]:
+    """What one merge event added, per contributor: ``time``, ``learner``, ``seconds`` (new steps ×
+    typical step time / P) and ``tokens`` (new steps × tokens per step / P). A push at step s with
+    c_steps = n covers (s − n, s]; only steps above the highest one already merged into the fragment
+    (`merged_to`, updated here) are new. The one definition of merged progress and tokens merged."""
+    p, out = int(e["fragment"]), []
+    cycles = e.get("cycle_s") or [0.0] * len(e["contributors"])
+    for m, step, n, tok, cycle in zip(
+        e["contributors"], e["steps"], e["inner_steps"], e["tokens"], cycles, strict=True
+    ):
+        hi = merged_to.get((int(m), p), -1)
+        new = max(0, step - max(hi, step - n))
+        merged_to[(int(m), p)] = max(hi, step)
+        per_step = tok / n if n else 0.0
+        out.append({"time": float(e["time"]), "learner": int(m), "seconds": new * cycle / fragments,
+                    "tokens": new * per_step / fragments})  # fmt: skip
+    return out
+
+
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length of the union of closed intervals (lo, hi)."""
+    total, cur_lo, cur_hi = 0.0, 0.0, None
+    for lo, hi in sorted(intervals):
+        if cur_hi is None or lo > cur_hi:
+            if cur_hi is not None:
+                total += cur_hi - cur_lo
+            cur_lo, cur_hi = lo, hi
+        else:
+            cur_hi = max(cur_hi, hi)
+    if cur_hi is not None:
+        total += cur_hi - cur_lo
+    return total
 
 
 class Tally:
@@ -82,16 +116,10 @@ class Tally:
 
     def _merge(self, e: dict[str, Any], t: float) -> None:
         p = int(e["fragment"])
-        cycles = e.get("cycle_s") or [0.0] * len(e["contributors"])
-        for m, step, n, tok, cycle in zip(
-            e["contributors"], e["steps"], e["inner_steps"], e["tokens"], cycles, strict=True
-        ):
-            hi = self._merged_to.get((int(m), p), -1)
-            new = max(0, step - max(hi, step - n))
-            self._merged_to[(int(m), p)] = max(hi, step)
-            acc = self._learner(int(m), t)
-            acc["merged"] = float(acc["merged"] or 0.0) + new * cycle / self.fragments
-            acc["merged_tokens"] = float(acc["merged_tokens"] or 0.0) + new * (tok / n if n else 0.0) / self.fragments
+        for r in push_progress(e, self._merged_to, self.fragments):
+            acc = self._learner(int(r["learner"]), t)
+            acc["merged"] = float(acc["merged"] or 0.0) + r["seconds"]
+            acc["merged_tokens"] = float(acc["merged_tokens"] or 0.0) + r["tokens"]
         for m, inc in zip(e["contributors"], e.get("incarnations", ()), strict=False):
             d = self._rejoining.pop((int(m), int(inc)), None)
             if d is not None:
@@ -139,7 +167,7 @@ class Tally:
             for p in range(self.fragments)
             if end - self._last_commit.get(p, since) > self.stall_threshold
         ]
-        return max(0.0, 1.0 - metrics.union_length([*self._stalls, *open_]) / (end - since))
+        return max(0.0, 1.0 - union_length([*self._stalls, *open_]) / (end - since))
 
     def downtimes(self) -> list[dict[str, Any]]:
         return [dict(d) for d in self._kills]

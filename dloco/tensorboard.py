@@ -71,8 +71,8 @@ class TensorBoardSink:
         self._writer = SummaryWriter(logdir=str(self.run_dir), flush_secs=flush_secs)
         self._t0: float | None = None
         self._seen_fragments: set[int] = set()
-        self._tally: Tally | None = Tally(self.fragments, math.inf, 0.0, ring=1) if self.fragments else None
-        self._merged_tok = 0.0  # Σ merged c_tok over all fragments (only while P is unknown)
+        # tokens merged (`dloco.tally.push_progress`); P unknown: counted per fragment seen
+        self._tally = Tally(self.fragments or 1, math.inf, 0.0, ring=1)
         self._bytes_in = 0
         self._bytes_out = 0
         self._counts: dict[str, int] = {}
@@ -101,9 +101,7 @@ class TensorBoardSink:
 
     def tokens_merged(self) -> float:
         """Tokens merged so far, as `dloco.metrics.merged_progress` defines them (`dloco.tally`)."""
-        if self._tally is not None:
-            return self._tally.merged_tokens()
-        return self._merged_tok / max(1, len(self._seen_fragments))
+        return self._tally.merged_tokens() / (1 if self.fragments else max(1, len(self._seen_fragments)))
 
     def write(self, event: Mapping[str, Any]) -> int:
         """Writes the scalars of one event; returns how many (0 for kinds without scalars)."""
@@ -148,9 +146,7 @@ class TensorBoardSink:
             values["staleness_mean"] = sum(staleness) / len(staleness)
         for k, x in values.items():
             self._scalar(f"{pre}/{k}", x, v, wall)
-        self._merged_tok += float(sum(e.get("tokens") or ()))
-        if self._tally is not None:
-            self._tally.add(e)
+        self._tally.add(e)
         self._bytes_in += int(e.get("bytes_in") or 0)
         self._bytes_out += int(e.get("bytes_out") or 0)
         self._scalar("merge/tokens_merged", self.tokens_merged(), s, wall)

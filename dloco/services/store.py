@@ -54,7 +54,7 @@ class StoreService:
         self.per_learner = cfg.learner.install == "own" and c.publish == "delta"
         self.copies = publish.Copies(c.publish_dtype, c.block)
         self.sessions: dict[int, _Session] = {}
-        self._shared: dict[int, tuple[int, str, Any]] = {}  # p → (version, kind, ref): this commit's publication
+        self._deltas: dict[int, tuple[int, Any]] = {}  # p → (version, ref of the syncer's q), put once
         self._full: dict[int, tuple[int, Any]] = {}  # p → (version, ref of Θ̂_p): for learners behind a delta
         self.lock = threading.RLock()
         start = events.StoreStart(time=clock.wall(), versions=self.core.versions, restored_from=self.core.restored_from)
@@ -177,9 +177,9 @@ class StoreService:
             result = self.core.commit(c)
             if result.accepted and result.reason == "committed":
                 p = c.fragment_id
-                self._shared.pop(p, None)
+                self._deltas.pop(p, None)
                 if c.delta is not None:
-                    self._shared[p] = (result.version, "delta", self.transport.put(c.delta))
+                    self._deltas[p] = (result.version, self.transport.put(c.delta))
                 live = self.core.live_registry()
                 for m, s in self.sessions.items():
                     if live.get(m) == s.incarnation:
@@ -197,9 +197,9 @@ class StoreService:
             kind, obj, base = self.copies.prepare(m, p, v, s.sent[p], target, full)
             ref = self.transport.put(obj)
         else:
-            shared = self._shared.get(p)
-            if shared is not None and shared[0] == v and s.sent[p] == v - 1:
-                kind, ref, base = "delta", shared[2], v - 1
+            delta = self._deltas.get(p)
+            if delta is not None and delta[0] == v and s.sent[p] == v - 1:
+                kind, ref, base = "delta", delta[1], v - 1
             else:
                 kind, ref, base = "full", self._full_ref(p, v), v
         if kind == "full":  # supersedes whatever older mail of p is still waiting
