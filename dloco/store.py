@@ -4,16 +4,21 @@
 optimizer state s_p of each fragment, the learner registry (id → incarnation) and the token
 ledger (per fragment and learner: tokens merged, cursor and step of the last merged push).
 
-Durability, so that no committed version is ever lost:
+On disk under `root` (``run_dir/store``), every file checksummed, atomic and durable (`dloco.durable`):
+``wal/p{p:03d}-v{v:08d}.npz`` per commit, the fragment's full new state (Θ_p, s_p, the shadow Θ̂_p,
+version, commit_id, ledger), written before the commit is acknowledged (if that fails, e.g. disk
+full or read-only, the commit raises OSError, unapplied);
+``snap-{n:08d}/`` every `store.snapshot_every` commits, all fragments and ``meta.json`` (commits,
+versions, registry), written in ``tmp-*`` and renamed, the last `store.keep` kept and older log files
+pruned (a failed snapshot goes to `errors`, its commit stands, and is tried again when next due);
+``registry.json``; ``LOCK``, flocked until `close` (a second store raises `RunDirLocked`); and
+``quarantine/``: damaged files and snapshots moved aside (never deleted), listed in `quarantined`.
 
-- every commit is written before it is acknowledged, as one file holding the fragment's full new
-  state (``wal/p{p}-v{v}.npz``: Θ_p, s_p, the fragment's ledger and, with `compression.publish:
-  delta`, the shadow Θ̂_p that learners hold), written to a temporary name and renamed;
-- every `store.snapshot_every` commits, all fragments and the registry are consolidated into a
-  snapshot directory (written as ``tmp-*`` and renamed to ``snap-{n}``, so a ``snap-*`` directory
-  is always complete); the last `store.keep` snapshots are kept and older log files are pruned;
-- on start, the newest snapshot is restored and each fragment then takes its newest logged
-  version, if newer.
+Versions are the integers in the names (``:08d`` is a minimum width). A start restores the newest
+snapshot that verifies completely, else an older one, then per fragment the newest log file that
+verifies, if newer: committed data intact anywhere is kept. A damaged ``registry.json`` is rebuilt
+from the snapshot's and the ledgers' incarnations. Files from before checksums (no header) are read
+unverified (but for an ``.npz``'s zip CRC-32).
 
 A commit is compare-and-set on v_p: it applies only to the version it was computed from. A retry
 of the commit that produced the current version (same `commit_id`) is acknowledged again, so a
@@ -22,15 +27,18 @@ commit can be retried safely after a store restart.
 
 from __future__ import annotations
 
-import io
-import json
 import os
+import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from dloco import durable
+from dloco.durable import CorruptFileError, RunDirLocked
+
+__all__ = ["Commit", "CommitResult", "CorruptFileError", "MergedPush", "Registration", "RunDirLocked", "StoreCore"]
 
 
 @dataclass(frozen=True)
@@ -99,35 +107,34 @@ def _cursor_key(c: dict | None) -> tuple[int, int]:
     return (-1, -1) if c is None else (int(c["epoch"]), int(c["index"]))
 
 
+_WAL = re.compile(r"p(\d+)-v(\d+)\.npz")
+_SNAP = re.compile(r"snap-(\d+)")
+
+
 def _save_fragment(path: Path, f: _Fragment) -> None:
     arrays = {f"v/{k}": v for k, v in f.values.items()}
     arrays.update({f"s/{i}": s for i, s in enumerate(f.outer_state)})
     arrays.update({f"h/{k}": v for k, v in (f.shadow or {}).items()})
-    meta = {"version": f.version, "commit_id": f.commit_id, "ledger": {str(k): v for k, v in f.ledger.items()}}
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy's stub matches **kwargs against allow_pickle: bool
-    _atomic_write(path, buf.getvalue())
+    ledger = {str(k): v for k, v in f.ledger.items()}
+    durable.write_npz(path, arrays, {"version": f.version, "commit_id": f.commit_id, "ledger": ledger})
 
 
 def _load_fragment(path: Path) -> _Fragment:
-    with np.load(path) as z:
-        meta = json.loads(bytes(z["meta"]).decode())
-        values = {k[2:]: z[k] for k in z.files if k.startswith("v/")}
-        n_state = sum(k.startswith("s/") for k in z.files)
-        state = [z[f"s/{i}"] for i in range(n_state)]
-        shadow = {k[2:]: z[k] for k in z.files if k.startswith("h/")} or None
-    ledger = {int(k): v for k, v in meta["ledger"].items()}
-    return _Fragment(meta["version"], values, state, ledger, meta["commit_id"], shadow)
+    """The fragment in `path`, verified; `CorruptFileError` if it is missing, damaged or unreadable."""
+    z, meta = durable.read_npz(path)
+    try:
+        state = [z[f"s/{i}"] for i in range(sum(k.startswith("s/") for k in z))]
+        shadow = {k[2:]: x for k, x in z.items() if k.startswith("h/")} or None
+        ledger = {int(k): v for k, v in meta["ledger"].items()}
+        values = {k[2:]: x for k, x in z.items() if k.startswith("v/")}
+        return _Fragment(int(meta["version"]), values, state, ledger, str(meta["commit_id"]), shadow)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptFileError(path, f"bad content: {e!r}") from None
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def _registry(state: dict) -> tuple[dict[int, int], set[int]]:
+    """(registry, retired) of a ``registry.json`` or snapshot meta."""
+    return {int(k): int(v) for k, v in state["registry"].items()}, {int(m) for m in state["retired"]}
 
 
 class StoreCore:
@@ -139,6 +146,7 @@ class StoreCore:
       initial_outer: s_p⁰ per fragment, as numpy leaves.
       snapshot_every: consolidate into a snapshot every this many commits.
       keep: snapshots kept.
+      lock_wait_s: wait this long for the directory's lock (a predecessor may be exiting), then `RunDirLocked`.
     """
 
     def __init__(
@@ -148,19 +156,38 @@ class StoreCore:
         initial_outer: list[list[np.ndarray]],
         snapshot_every: int = 8,
         keep: int = 3,
+        lock_wait_s: float = 10.0,
     ) -> None:
         self.root = Path(root)
-        (self.root / "wal").mkdir(parents=True, exist_ok=True)
+        durable.mkdir(self.root)
+        self._lock = durable.RunDirLock(self.root)
+        self._lock.acquire(lock_wait_s)
         self.snapshot_every, self.keep = snapshot_every, keep
         self.commits = 0
         self.registry: dict[int, int] = {}
         self.retired: set[int] = set()
         self.restored_from: str | None = None
+        self.quarantined: list[dict] = []  # {path, reason, moved_to} of each damaged file set aside
+        self.errors: list[dict] = []  # failures that did not fail a commit (snapshots), the last 100
+        self.error_count = 0  # all of them, ever
         self.fragments = [
             _Fragment(0, {k: np.array(v, np.float32) for k, v in f.items()}, [np.array(s) for s in o])
             for f, o in zip(initial, initial_outer, strict=True)
         ]
-        self._restore()
+        try:
+            durable.mkdir(self.root / "wal")
+            self._restore()
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def close(self) -> None:
+        """Releases the directory's lock (idempotent); writes are refused afterwards."""
+        self._lock.release()
+
+    def _check_open(self) -> None:
+        if not self._lock.held:
+            raise RuntimeError(f"store {self.root} is closed")
 
     # ---- reads -------------------------------------------------------------------------------
     @property
@@ -208,22 +235,26 @@ class StoreCore:
     # ---- writes ------------------------------------------------------------------------------
     def register(self, learner_id: int) -> Registration:
         """A learner (re)starts: new incarnation, resume point from the ledger (§4)."""
-        self.retired.discard(learner_id)
-        self.registry[learner_id] = self.registry.get(learner_id, 0) + 1
-        self._save_registry()
+        registry = {**self.registry, learner_id: self.registry.get(learner_id, 0) + 1}
+        self._save_registry(registry, self.retired - {learner_id})  # durable before it changes
+        self.registry, self.retired = registry, self.retired - {learner_id}
         cursor, step = self.merged_cursor(learner_id)
         return Registration(learner_id, self.registry[learner_id], cursor, step)
 
     def retire(self, learner_id: int) -> None:
         """A learner leaves the run for good: its later contributions are rejected as unknown."""
-        self.retired.add(learner_id)
-        self._save_registry()
+        self._save_registry(self.registry, self.retired | {learner_id})
+        self.retired = self.retired | {learner_id}
 
     def live_registry(self) -> dict[int, int]:
         return {m: i for m, i in self.registry.items() if m not in self.retired}
 
     def commit(self, c: Commit) -> CommitResult:
-        """Applies `c` atomically if it was computed from the current version (compare-and-set)."""
+        """Applies `c` atomically if it was computed from the current version (compare-and-set).
+
+        OSError (disk full, read-only) if its log file cannot be written: then nothing changed.
+        """
+        self._check_open()
         f = self.fragments[c.fragment_id]
         if f.version == c.version and f.commit_id == c.commit_id:
             return CommitResult(True, f.version, "already committed (retry)")
@@ -233,9 +264,9 @@ class StoreCore:
             )
         ledger = {m: dict(e) for m, e in f.ledger.items()}
         for mp in c.merged:
-            prev = ledger.get(mp.learner_id, {"tokens": 0})
+            tokens = ledger.get(mp.learner_id, {"tokens": 0})["tokens"] + mp.tokens
             ledger[mp.learner_id] = {
-                "tokens": prev["tokens"] + mp.tokens,
+                "tokens": tokens,
                 "cursor": mp.cursor,
                 "step": mp.step,
                 "incarnation": mp.incarnation,
@@ -246,71 +277,122 @@ class StoreCore:
         self.fragments[c.fragment_id] = new
         self.commits += 1
         if self.commits % self.snapshot_every == 0:
-            self.snapshot()
+            try:  # the commit is durable already: a failed snapshot is recorded, not a failed commit
+                self.snapshot()
+            except Exception as e:
+                self._error("snapshot", e)
         return CommitResult(True, new.version, "committed")
 
     def snapshot(self) -> Path:
         """Writes all fragments and the registry into a new complete ``snap-*`` directory."""
-        tmp = Path(tempfile.mkdtemp(dir=self.root, prefix="tmp-"))
-        for p, f in enumerate(self.fragments):
-            _save_fragment(tmp / f"p{p:03d}.npz", f)
-        meta = {"commits": self.commits, "versions": self.versions, **self._registry_state()}
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        self._check_open()
+        meta = {"commits": self.commits, "versions": self.versions, **self._registry_state(self.registry, self.retired)}
+
+        def fill(d: Path) -> None:
+            for p, f in enumerate(self.fragments):
+                _save_fragment(d / f"p{p:03d}.npz", f)
+            durable.write_json(d / "meta.json", meta)
+
         final = self.root / f"snap-{self.commits:08d}"
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        durable.write_dir(final, fill)  # replaces one of the same count (an explicit earlier call)
         self._prune()
         return final
 
     # ---- durability helpers ------------------------------------------------------------------
-    def _registry_state(self) -> dict:
-        return {"registry": {str(k): v for k, v in self.registry.items()}, "retired": sorted(self.retired)}
+    @staticmethod
+    def _registry_state(registry: dict[int, int], retired: set[int]) -> dict:
+        return {"registry": {str(k): v for k, v in registry.items()}, "retired": sorted(retired)}
 
-    def _save_registry(self) -> None:
-        _atomic_write(self.root / "registry.json", json.dumps(self._registry_state()).encode())
+    def _save_registry(self, registry: dict[int, int], retired: set[int]) -> None:
+        self._check_open()
+        durable.write_json(self.root / "registry.json", self._registry_state(registry, retired))
+
+    def _error(self, op: str, e: BaseException) -> None:
+        self.errors.append({"op": op, "commits": self.commits, "error": f"{type(e).__name__}: {e}"})
+        del self.errors[:-100]
+        self.error_count += 1
 
     def _snapshots(self) -> list[Path]:
-        return sorted(self.root.glob("snap-*"))
+        """Snapshot directories, oldest first (by the number in the name, not the name)."""
+        return [p for _, p in durable.numbered(self.root, _SNAP) if p.is_dir()]
 
     def _prune(self) -> None:
         snaps = self._snapshots()
         for old in snaps[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
-        oldest_kept = json.loads((self._snapshots()[0] / "meta.json").read_text())["versions"]
-        for path in (self.root / "wal").glob("p*-v*.npz"):
-            p, v = int(path.name[1:4]), int(path.name[6:14])
-            if v <= oldest_kept[p]:
+        durable.clean_tmp(self.root, self.root / "wal")
+        try:  # log files the oldest kept snapshot holds are no longer needed
+            floor = [int(v) for v in durable.read_json(snaps[-self.keep :][0] / "meta.json")["versions"]]
+        except (CorruptFileError, KeyError, TypeError, ValueError):
+            return  # keep the log: a restore may have to fall back past that snapshot
+        for (p, v), path in durable.numbered(self.root / "wal", _WAL):
+            if p < len(floor) and v <= floor[p]:
                 path.unlink(missing_ok=True)
-        for tmp in self.root.glob("tmp-*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+        durable.fsync_dir(self.root / "wal")
+
+    def _load_snapshot(self, snap: Path) -> tuple[dict, list[_Fragment]]:
+        """The snapshot's meta and fragments, all verified; `CorruptFileError` naming the first bad one."""
+        meta = durable.read_json(snap / "meta.json")
+        frs = [_load_fragment(snap / f"p{p:03d}.npz") for p in range(len(self.fragments))]
+        try:
+            _ = int(meta["commits"]), _registry(meta)
+            differ = [int(meta["versions"][p]) for p in range(len(frs))] != [f.version for f in frs]
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptFileError(snap / "meta.json", f"bad content: {e!r}") from None
+        if differ:
+            raise CorruptFileError(snap / "meta.json", f"versions {meta['versions']} differ from its fragments'")
+        return meta, frs
 
     def _restore(self) -> None:
-        snaps = self._snapshots()
-        if snaps:
-            meta = json.loads((snaps[-1] / "meta.json").read_text())
-            self.fragments = [_load_fragment(snaps[-1] / f"p{p:03d}.npz") for p in range(len(self.fragments))]
-            self.commits = meta["commits"]
-            self.restored_from = snaps[-1].name
+        durable.clean_tmp(self.root, self.root / "wal")
+        meta: dict | None = None
+        for snap in reversed(self._snapshots()):  # the newest snapshot that verifies completely
+            try:
+                meta, frs = self._load_snapshot(snap)
+            except CorruptFileError as e:
+                self.quarantined.append(durable.quarantine(self.root, snap, f"{e.path.name}: {e.reason}"))
+                continue
+            self.fragments, self.commits, self.restored_from = frs, int(meta["commits"]), snap.name
+            break
+        log = durable.numbered(self.root / "wal", _WAL)  # oldest first, by (fragment, version)
         for p in range(len(self.fragments)):
-            logged = sorted((self.root / "wal").glob(f"p{p:03d}-v*.npz"))
-            if logged:
-                newest = _load_fragment(logged[-1])
-                if newest.version > self.fragments[p].version:
-                    self.commits += newest.version - self.fragments[p].version
-                    self.fragments[p] = newest
-                    self.restored_from = self.restored_from or "log"
-        reg = self.root / "registry.json"
-        if reg.exists():
-            state = json.loads(reg.read_text())
-            self.registry = {int(k): v for k, v in state["registry"].items()}
-            self.retired = set(state["retired"])
+            for (_, v), path in reversed([e for e in log if e[0][0] == p]):  # the newest that verifies, if newer
+                if v <= self.fragments[p].version:
+                    break
+                try:
+                    f = _load_fragment(path)
+                    if f.version != v:
+                        raise CorruptFileError(path, f"holds version {f.version}, not {v}")
+                except CorruptFileError as e:
+                    self.quarantined.append(durable.quarantine(self.root, path, e.reason))
+                    continue
+                self.commits += f.version - self.fragments[p].version
+                self.fragments[p] = f
+                self.restored_from = self.restored_from or "log"
+                break
+        self._restore_registry(meta)
+
+    def _restore_registry(self, meta: dict | None) -> None:
+        """Reads ``registry.json``; if it is damaged or missing, rebuilds it from the snapshot and ledgers."""
+        path = self.root / "registry.json"
+        try:
+            state = durable.read_json(path)
+            self.registry, self.retired = _registry(state)
+            return
+        except (CorruptFileError, KeyError, TypeError, ValueError, AttributeError) as e:
+            reason = e.reason if isinstance(e, CorruptFileError) else f"bad content: {e!r}"
+        self.registry, self.retired = _registry(meta or {"registry": {}, "retired": []})
+        for f in self.fragments:  # an incarnation whose push was merged later than the snapshot
+            for m, entry in f.ledger.items():
+                self.registry[m] = max(self.registry.get(m, 0), int(entry.get("incarnation", 0)))
+        if reason == "missing" and not self.registry:
+            return  # a fresh run
+        self.quarantined.append(durable.quarantine(self.root, path, reason))
+        try:
+            self._save_registry(self.registry, self.retired)
+        except OSError as e:
+            self._error("registry", e)
 
     def summary(self) -> dict:
-        return {
-            "versions": self.versions,
-            "commits": self.commits,
-            "registry": dict(self.registry),
-            "restored_from": self.restored_from,
-            "tokens_merged": self.tokens_merged(),
-        }
+        d = {"versions": self.versions, "commits": self.commits, "registry": dict(self.registry)}
+        return {**d, "restored_from": self.restored_from, "tokens_merged": self.tokens_merged()}

@@ -2,6 +2,8 @@
 the shadow stays within one quantization step of Θ_p, the store keeps it durably, and a learner
 that missed a version refuses the delta (and is given Θ̂_p in full)."""
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -66,9 +68,11 @@ def test_delta_publish_trains_like_full_publish(tiny_run, delta_run, tmp_path):
     assert abs(a - b) / a < 0.02, (a, b)
 
 
-def test_store_restores_the_shadow(delta_run):
+def test_store_restores_the_shadow(delta_run, tmp_path):
     run = delta_run
-    again = StoreCore(run.store.root, [dict(f) for f in run.blueprint.initial], [[] for _ in run.blueprint.initial])
+    copy = tmp_path / "store"  # a copy: the run's own store still holds its directory's lock
+    shutil.copytree(run.store.root, copy)
+    again = StoreCore(copy, [dict(f) for f in run.blueprint.initial], [[] for _ in run.blueprint.initial])
     assert again.versions == run.store.versions
     for p in range(run.blueprint.plan.count):
         for n, x in run.store.shadow(p)[1].items():

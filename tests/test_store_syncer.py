@@ -42,6 +42,7 @@ def test_restart_restores_every_committed_version(tmp_path):
         assert s.commit(commit(p, s.versions[p], float(v + 1), learners=[(0, 10 * (v + 1))])).accepted
     before = s.versions
     assert before == [4, 3]
+    s.close()  # its process ends: the lock on the directory goes with it
     r = StoreCore(tmp_path, initial(), outer_leaves(), snapshot_every=3, keep=2)  # "killed" and restarted
     assert r.versions == before
     np.testing.assert_array_equal(r.fragment(0)[1]["embed/embedding"], np.full((2, 2), 7.0))

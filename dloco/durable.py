@@ -1,0 +1,285 @@
+"""File primitives for state that must survive crashes, power loss and damaged disks (`dloco.store`).
+
+- `write`: a file is written as a 32-byte header (magic, payload length, blake2b-128 of the payload)
+  plus the payload, to a temporary ``.tmp-*`` name in the same directory, fsynced, renamed over the
+  final name, and the directory is fsynced too (without that a power loss may forget the rename).
+  On any error the temporary file is removed and the error propagates: the old file is untouched.
+- `read`: the payload, verified: an empty, truncated, bit-flipped or missing file raises
+  `CorruptFileError` (one exception type for every kind of damage, with the reason). A file without the
+  magic (written before checksums existed) is returned as is only when the caller accepts legacy
+  files; the caller's parser then decides (a zip's CRC-32 still guards an ``.npz``).
+- `quarantine`: moves a damaged file or snapshot directory into ``root/quarantine/`` (never deletes
+  it, so a person can inspect it) and returns a record of what moved where and why.
+- `RunDirLock`: one process per directory (``fcntl.flock`` on a lock file holding the holder's pid
+  and host); a second store refuses to start instead of interleaving its commits with the first.
+- `clean_tmp`: removes what an interrupted `write` or snapshot left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import socket
+import struct
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"DLOCOv1\n"
+_HEADER = struct.Struct("<8sQ16s")  # magic, payload length, blake2b-128 digest of the payload
+
+
+class CorruptFileError(Exception):
+    """A durable file that does not verify: missing, empty, truncated, or its checksum differs."""
+
+    def __init__(self, path: str | os.PathLike, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = Path(path), reason
+
+
+class RunDirLocked(RuntimeError):  # noqa: N818  (the name callers catch it by)
+    """Another store (process or object) holds the directory's lock."""
+
+
+def _digest(payload: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Makes the directory's entries (creations, renames, removals) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write(path: str | os.PathLike, payload: bytes) -> None:
+    """Atomically and durably replaces `path` with the checksummed `payload` (OSError on failure)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(_HEADER.pack(MAGIC, len(payload), _digest(payload)))
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def read(path: str | os.PathLike, legacy: bool = False) -> bytes:
+    """The verified payload of `path`; `CorruptFileError` if it is missing or damaged.
+
+    With `legacy`, a file that does not start with the magic is returned whole (unverified).
+    """
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise CorruptFileError(path, "missing") from None
+    except IsADirectoryError:
+        raise CorruptFileError(path, "a directory, not a file") from None
+    if not data:
+        raise CorruptFileError(path, "empty (zero length)")
+    if not data.startswith(MAGIC):
+        if legacy and len(data) >= len(MAGIC):
+            return data
+        raise CorruptFileError(path, f"no checksum header ({len(data)} bytes)")
+    if len(data) < _HEADER.size:
+        raise CorruptFileError(path, f"truncated header ({len(data)} bytes)")
+    _, length, digest = _HEADER.unpack_from(data)
+    payload = memoryview(data)[_HEADER.size :]
+    if len(payload) != length:
+        raise CorruptFileError(path, f"length {len(payload)} bytes, header says {length} (truncated or extended)")
+    if _digest(payload) != digest:
+        raise CorruptFileError(path, "checksum mismatch (bit flip)")
+    return bytes(payload)
+
+
+def write_dir(final: str | os.PathLike, fill: Callable[[Path], None]) -> None:
+    """Creates the directory `final` complete or not at all: `fill` writes into a ``tmp-*`` sibling
+    that is then renamed (replacing an older `final`); on failure the sibling is removed."""
+    final = Path(final)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix="tmp-"))
+    try:
+        fill(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(final.parent)
+
+
+def write_json(path: str | os.PathLike, obj: object) -> None:
+    write(path, json.dumps(obj).encode())
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """A verified JSON object (legacy files without a header accepted if they parse)."""
+    try:
+        obj = json.loads(read(path, legacy=True))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptFileError(path, f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise CorruptFileError(path, f"not a JSON object: {type(obj).__name__}")
+    return obj
+
+
+def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    """`write` of an ``.npz`` holding `arrays` and `meta` (as JSON, in the array ``meta``)."""
+    buf = io.BytesIO()
+    arrays = {**arrays, "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
+    np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy's stub matches **kwargs against allow_pickle: bool
+    write(path, buf.getvalue())
+
+
+def read_npz(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
+    """The arrays and meta of a `write_npz` file, verified (legacy files: the zip's CRC-32 only)."""
+    data = read(path, legacy=True)
+    try:
+        with np.load(io.BytesIO(data)) as z:
+            arrays = {k: z[k] for k in z.files}
+        meta = json.loads(bytes(arrays.pop("meta")).decode())
+    except Exception as e:  # a legacy file can fail in any of numpy's and zipfile's parsers
+        raise CorruptFileError(path, f"unreadable: {type(e).__name__}: {e}") from None
+    if not isinstance(meta, dict):
+        raise CorruptFileError(path, "meta is not a JSON object")
+    return arrays, meta
+
+
+def quarantine(root: str | os.PathLike, path: str | os.PathLike, reason: str) -> dict:
+    """Moves a damaged file or directory into ``root/quarantine/`` and returns what happened.
+
+    The record is ``{"path", "reason", "moved_to"}``; `moved_to` is None when nothing was there.
+    """
+    root, path = Path(root), Path(path)
+    record: dict = {"path": str(path), "reason": reason, "moved_to": None}
+    if not path.exists():
+        return record
+    qdir = root / "quarantine"
+    base = str(path.relative_to(root)).replace(os.sep, "-") if path.is_relative_to(root) else path.name
+    dest, n = qdir / base, 0
+    while dest.exists():
+        n += 1
+        dest = qdir / f"{base}.{n}"
+    try:
+        qdir.mkdir(exist_ok=True)
+        os.replace(path, dest)
+    except OSError as e:  # e.g. a read-only disk: left in place, found damaged again at the next start
+        return {**record, "error": f"{type(e).__name__}: {e}"}
+    for d in {path.parent, qdir, root}:
+        with contextlib.suppress(OSError):
+            fsync_dir(d)
+    return {**record, "moved_to": str(dest)}
+
+
+def mkdir(d: str | os.PathLike) -> None:
+    """Creates `d` (and parents) durably: its entry in the parent directory is fsynced."""
+    d = Path(d)
+    if not d.is_dir():
+        d.mkdir(parents=True, exist_ok=True)
+        fsync_dir(d.parent)
+
+
+def numbered(directory: str | os.PathLike, pattern: re.Pattern) -> list[tuple[tuple[int, ...], Path]]:
+    """Entries of `directory` whose name fully matches `pattern`, with its groups as integers, in
+    integer order (name order is not number order once a number outgrows its zero padding)."""
+    found = []
+    for p in Path(directory).iterdir():
+        if m := pattern.fullmatch(p.name):
+            found.append((tuple(int(g) for g in m.groups()), p))
+    return sorted(found)
+
+
+def clean_tmp(*dirs: str | os.PathLike) -> list[str]:
+    """Removes leftover ``.tmp-*`` files and ``tmp-*`` directories in `dirs`; returns their names."""
+    removed = []
+    for d in map(Path, dirs):
+        for p in [*d.glob(".tmp-*"), *d.glob("tmp-*")]:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(str(p))
+    return removed
+
+
+class RunDirLock:
+    """An exclusive lock on `directory` (the file ``directory/LOCK``), held until `release`.
+
+    `flock` locks belong to the open file, so the kernel drops it when the holder's process dies,
+    however it dies; two locks from one process conflict as well. `acquire` retries for `wait_s`
+    seconds, so that a store restarting while its predecessor process still exits gets the lock.
+    """
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / "LOCK"
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self, wait_s: float = 10.0) -> None:
+        """Takes the lock or raises `RunDirLocked` (one line: the directory, the holder, the fix)."""
+        if self._fd is not None:
+            return
+        # held through a read-only descriptor: flock needs no more, and a file open for writing
+        # would keep the file system from being remounted read-only
+        fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = self.holder()
+                    os.close(fd)
+                    raise RunDirLocked(
+                        f"store dir {self.directory} is in use by another store (pid {holder.get('pid', '?')} on "
+                        f"host {holder.get('host', '?')}): stop that run or use another --run-dir"
+                    ) from None
+                time.sleep(0.05)
+        self._fd = fd
+        with contextlib.suppress(OSError):  # who holds it: only informative, so a full disk is no error
+            info = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+            wfd = os.open(self.path, os.O_WRONLY)
+            try:
+                os.pwrite(wfd, info, 0)  # before truncating: a full disk may still overwrite a page
+                os.ftruncate(wfd, len(info))
+                os.fsync(wfd)
+            finally:
+                os.close(wfd)
+
+    def holder(self) -> dict:
+        """The pid and host written by the current holder ({} if unknown)."""
+        try:
+            obj = json.loads(self.path.read_bytes() or b"{}")
+        except (OSError, ValueError):
+            return {}
+        return obj if isinstance(obj, dict) else {}
+
+    def release(self) -> None:
+        """Drops the lock (idempotent); the lock file stays, so no holder ever unlinks another's."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
