@@ -4,13 +4,17 @@ and ``dloco plot RUN_DIR [RUN_DIR ...] [--out DIR]``.
 With no arguments it trains the `tiny` preset with 4 learners on the built-in `stdlib` corpus on
 a local Ray cluster (started and stopped by the command), shows progress, and ends with a table.
 Under ``ray job submit`` it joins the job's cluster (RAY_ADDRESS). Bad input (config error,
-missing corpus, unreachable cluster) ends with one line on stderr and a non-zero exit.
+unreadable file, missing or too small corpus, unusable run directory, changed config on
+``--resume``, unreachable cluster, learners no node can hold) ends with one line on stderr,
+``dloco: ...``, and exit code 2, found before anything is written (`dloco.preflight`); a run that
+ends on an unrecoverable error prints its table, then ``dloco: run failed: ...``, and exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -29,24 +33,68 @@ def _progress(status: dict) -> None:
     frac = min(1.0, status["tokens_trained"] / budget)
     bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
     loss = status["eval_loss"]
+    errors = sum(status.get("errors", {}).values())
     line = (
         f"[{bar}] {100 * frac:5.1f}%  tokens {status['tokens_trained']:,}  "
         f"eval {loss:.3f}  merges {status['merges']}  rejected {status['rejected']}  "
-        f"{status['elapsed_s']:.0f}s"
+        + (f"ERRORS {errors} (last: {status.get('last_error')})  " if errors else "")
+        + f"{status['elapsed_s']:.0f}s"
     )
     sys.stderr.write(f"\r{line}" if tty else f"{line}\n")
     sys.stderr.flush()
 
 
+def _expected() -> tuple[type[BaseException], ...]:
+    """The errors a bad input raises while a run is checked and started (the CLI's one-line errors).
+
+    OSError covers a missing or unreadable file (FileNotFoundError, IsADirectoryError,
+    NotADirectoryError, PermissionError) and ConnectionError; ConfigError and PreflightError are
+    ValueErrors, as are a config file that is not UTF-8 and a corpus that cannot be read.
+    """
+    from actors.health import ActorStartError
+    from dloco.durable import RunDirLocked
+
+    return (OSError, ValueError, RunDirLocked, ActorStartError)
+
+
+def _locked(e: BaseException) -> str | None:
+    """The message of a `RunDirLocked` that the store actor raised as it started, which reaches the
+    driver inside a Ray error (an actor whose constructor failed), else None."""
+    found = re.search(r"RunDirLocked: (.+)", str(e))
+    return found.group(1) if found else None
+
+
+def _message(e: BaseException) -> str:
+    """`e` as the one line the CLI prints: ``dloco: ...``."""
+    from dloco.config import ConfigError
+
+    if isinstance(e, ConfigError):
+        text = f"config error: {e}"
+    elif isinstance(e, OSError) and e.filename and e.strerror:
+        text = f"{e.filename}: {e.strerror}"
+    else:
+        text = _locked(e) or str(e)
+    return "dloco: " + (" ".join(text.split()) or type(e).__name__)
+
+
 def train(args: argparse.Namespace) -> int:
-    from dloco.config import load
+    """Checks and starts the run, watches it, prints its table; 2 on bad input, 1 if the run failed."""
+    try:
+        from dloco.config import load
 
-    cfg = load(args.config, args.set)
-    from actors.launch import start
+        cfg = load(args.config, args.set)
+        from actors.launch import start
 
-    handle = start(
-        cfg, address=args.address, run_dir=args.run_dir, progress=None if args.quiet else _progress, resume=args.resume
-    )
+        handle = start(
+            cfg,
+            address=args.address,
+            run_dir=args.run_dir,
+            progress=None if args.quiet else _progress,
+            resume=args.resume,
+        )
+    except _expected() as e:
+        print(_message(e), file=sys.stderr)
+        return 2
     try:
         summary = handle.wait()
     except KeyboardInterrupt:
@@ -60,6 +108,9 @@ def train(args: argparse.Namespace) -> int:
 
     assert summary is not None, "stop() joins the run's thread, which writes the summary"
     print(table(summary))
+    if summary.get("error"):  # the supervisor ends a run on an unrecoverable error and says which
+        print(f"dloco: run failed: {' '.join(str(summary['error']).split())}", file=sys.stderr)
+        return 1
     return 0
 
 

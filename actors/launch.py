@@ -1,25 +1,29 @@
 """Starts a run from one `RunConfig` on a Ray cluster: `start(config) -> RunHandle`.
 
 `connect` joins the cluster named by the caller or RAY_ADDRESS (failing fast with one line if it
-does not answer), or starts a local one that listens on 127.0.0.1 only; `start` prepares the data
-once, writes the run directory's ``config.json`` and hands over to `actors.supervisor.RunHandle`,
+does not answer), or starts a local one that listens on 127.0.0.1 only; `start` checks the run
+(`dloco.preflight`: before Ray starts and before anything is written), then writes the run
+directory's ``config.json`` and ``fingerprint.json`` and hands over to `actors.supervisor.RunHandle`,
 which spawns the store, syncer and learner actors and supervises them.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import socket
-import time
-from dataclasses import asdict
+import stat
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 
+from actors.health import auth_mode
 from actors.supervisor import RunHandle
-from dloco import build
+from dloco import preflight
 from dloco.config import RunConfig
 
 __all__ = ["RunHandle", "connect", "start"]
@@ -59,17 +63,60 @@ def connect(address: str | None, num_cpus: int | None = None, object_store_mb: i
             ) from None
         return False
     # Ray binds its servers to all interfaces unless told it is a single-machine cluster: this keeps
-    # every server of the local cluster on 127.0.0.1 (checked with `ss -ltn`).
+    # every server of the local cluster on 127.0.0.1 (tests/test_secure.py checks with `ss -ltn`).
+    # Ray reads the variable when it is imported, so the constant it was read into is set too.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    # Secure by default: token authentication (Ray's default, which creates ~/.ray/auth_token if
+    # missing; a client without the token, e.g. another local user, is refused) unless the user set
+    # RAY_AUTH_MODE themselves, and a temp dir only this user can enter.
+    chosen = os.environ.get("RAY_AUTH_MODE")
     ray.init(
         address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
         object_store_memory=object_store_mb * 1024**2,
         _node_ip_address="127.0.0.1",
+        _temp_dir=private_temp_dir(),
         **quiet,
     )
+    if chosen is not None and auth_mode() != "token":
+        sys.stderr.write(f"dloco: warning: RAY_AUTH_MODE={chosen}: any local user can run code in this Ray cluster\n")
+    elif chosen is None and auth_mode() != "token":
+        ray.shutdown()
+        raise ConnectionError(
+            "the local Ray cluster started without token authentication: set RAY_AUTH_MODE=token "
+            "(or RAY_AUTH_MODE=disabled to accept that any local user can run code in it)"
+        )
     return True
+
+
+def _remove_new(run_dir: Path, existed: bool, before: set[str]) -> None:
+    """Removes what a failed start wrote: the run dir if it made it, else the entries it added."""
+    if not existed:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for name in set(os.listdir(run_dir)) - before:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def private_temp_dir() -> str:
+    """``{tmp}/dloco-{uid}/ray``: Ray's sockets, logs and spilled objects, inside a directory of mode
+    0700, so private to this user (Ray's default ``/tmp/ray`` is world-writable, and Ray makes the
+    directory it is given world-writable too: the private parent is what keeps others out).
+    Refuses a parent another user owns."""
+    parent = Path(tempfile.gettempdir()) / f"dloco-{os.getuid()}"
+    parent.mkdir(mode=0o700, exist_ok=True)
+    st = parent.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(f"{parent} is not a directory of this user: remove it, then start the run again")
+    if st.st_mode & 0o077:
+        parent.chmod(0o700)
+    return str(parent / "ray")
 
 
 def start(
@@ -82,21 +129,44 @@ def start(
     """Starts the run described by `cfg` on Ray (a new local cluster unless `address`/RAY_ADDRESS).
 
     `run_dir` defaults to ``{cfg.run_dir}/{date-time}``. A directory that already holds a run is
-    continued only with `resume` (the store restores its snapshot and log). Returns at once with a
-    `RunHandle`; the run stops by itself at its budget.
+    continued only with `resume` (the store restores its snapshot and log), and only if the config's
+    fingerprint matches the run's. Returns at once with a `RunHandle`; the run stops by itself at
+    its budget.
+
+    In order, so that a bad input ends with one line, nothing written and no Ray left running:
+    `dloco.preflight.check` (run dir, corpus, data, model, memory, resume rules; writes nothing) →
+    `connect` → `dloco.preflight.check_resources` against the cluster's nodes (on a cluster this
+    call started, a learner group that fits on no node is an error and the cluster is shut down; on
+    a joined cluster it is a warning on stderr, since nodes may still join: docs/CLUSTER.md) →
+    `dloco.preflight.check_devices` (the driver's evaluation batch against its devices) →
+    `dloco.preflight.record` (creates the run dir, writes the config and ``fingerprint.json``) →
+    `RunHandle`, which spawns the actors.
+
+    Raises:
+      PreflightError: a check failed (one line naming the field or file, and the fix).
+      ConnectionError: the cluster does not answer.
     """
-    run_dir = Path(run_dir or Path(cfg.run_dir) / time.strftime("%Y%m%d-%H%M%S"))
-    if (run_dir / "store").exists() and not resume:
-        raise FileExistsError(
-            f"run dir {run_dir} already holds a run: pass --resume to continue it, or another --run-dir"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    build.corpus(cfg)  # prepare (and cache) the data once, before any actor starts
+    local = not (address or os.environ.get("RAY_ADDRESS"))
+    pf = preflight.check(cfg, preflight.resolve_run_dir(cfg, run_dir), resume, local=local)
     needed = int(sum(g.num_cpus for g in cfg.learners.expand())) + 1
     owns = connect(address, num_cpus=max(needed, os.cpu_count() or 1), object_store_mb=cfg.store.object_store_mb)
     try:
-        return RunHandle(cfg, run_dir, owns, progress)
+        try:
+            preflight.check_resources(cfg, ray.nodes())
+        except preflight.PreflightError as e:
+            if owns:
+                raise
+            sys.stderr.write(f"dloco: warning: {e}; unless such a node joins\n")
+        preflight.check_devices(cfg)  # starts JAX's runtime in this process: only once Ray has forked its own
+        existed = pf.run_dir.exists()
+        before = set(os.listdir(pf.run_dir)) if existed else set()
+        preflight.record(pf, cfg)
+        try:
+            return RunHandle(cfg, pf.run_dir, owns, progress)
+        except BaseException:
+            if not resume:  # the run never started (e.g. its store could not): leave nothing behind
+                _remove_new(pf.run_dir, existed, before)
+            raise
     except BaseException:
         if owns:
             ray.shutdown()

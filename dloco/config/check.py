@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -29,3 +31,29 @@ def _positive(section: str, obj: Any, *names: str) -> None:
 def _choice(section: str, obj: Any, name: str, allowed: Sequence[str]) -> None:
     v = getattr(obj, name)
     _check(v in allowed, f"{section}.{name}", v, f"must be one of {', '.join(allowed)}")
+
+
+def _finite(section: str, obj: Any) -> None:
+    """Every float of `obj`'s fields, and of its tuples and mappings, is finite.
+
+    Runs first in each section's check: ``nan`` fails every comparison (so a later range check would
+    name the wrong rule) and ``inf`` passes the ``> 0`` ones, then breaks a schedule, a timer or a
+    weight long after the run started.
+    """
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, Mapping):
+            items = [(f"{f.name}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, tuple):
+            items = [(f"{f.name}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            items = [(f.name, value)]
+        for name, v in items:
+            if isinstance(v, float) and not math.isfinite(v):
+                _fail(f"{section}.{name}" if section else name, v, "must be a finite number")
+
+
+def _resource(name: str, value: float) -> None:
+    """A Ray resource quantity: 0 (none) or at least Ray's precision of 0.0001, which Ray's
+    `.options()` enforces only when the actor is created, after the run has started."""
+    _check(value == 0 or value >= 1e-4, name, value, "must be 0 or >= 0.0001 (Ray's resource precision)")

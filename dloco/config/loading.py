@@ -7,6 +7,7 @@ own validation runs; every failure raises `ConfigError` naming the field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -118,18 +119,26 @@ def from_dict(values: Mapping[str, Any]) -> RunConfig:
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """Loads a run config: preset → YAML file → dotted overrides (``"sync.every=48"``).
 
+    A ``.json`` file is read as JSON: a run's ``config.json`` loads as the config it was written
+    from (YAML 1.1 would read a float such as ``1e-08`` as a string).
+
     Raises:
-      ConfigError: unknown key, wrong type, invalid value or invalid combination.
-      FileNotFoundError: `path` does not exist.
+      ConfigError: unknown key, wrong type, invalid value or invalid combination; a file that is
+        not UTF-8 YAML (or JSON) holding a mapping.
+      OSError: `path` cannot be read (FileNotFoundError, IsADirectoryError, PermissionError, ...).
     """
     values: dict[str, Any] = {}
     if path is not None:
-        text = Path(path).read_text()
+        kind = "JSON" if Path(path).suffix == ".json" else "YAML"
         try:
-            loaded = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({e})") from None
-        _check(isinstance(loaded, Mapping), str(path), type(loaded).__name__, "must be a YAML mapping")
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a {kind} file: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        try:
+            loaded = (json.loads(text) if kind == "JSON" else yaml.safe_load(text)) or {}
+        except (yaml.YAMLError, ValueError) as e:
+            raise ConfigError(f"{path}: not valid {kind} ({e})") from None
+        _check(isinstance(loaded, Mapping), str(path), type(loaded).__name__, f"must be a {kind} mapping")
         values = dict(loaded)
     for text in overrides:
         values = _merge(values, _parse_override(text))

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dloco.config.check import _check, _choice
+from dloco.config.check import _check, _choice, _fail
 from dloco.config.system import BudgetConfig, ChaosConfig, LearnersConfig, MetricsConfig, StoreConfig
 from dloco.config.train import (
     CompressionConfig,
@@ -26,6 +26,14 @@ ALGORITHMS = ("decoupled", "diloco", "streaming", "dp", "elastic_dp")
 DP_ALGORITHMS = ("dp", "elastic_dp")
 # Algorithms in which a learner waits for merges (ALGORITHM.md §9); their quorum K defaults to M.
 BLOCKING_ALGORITHMS = ("diloco", "streaming", *DP_ALGORITHMS)
+
+# jax.random.PRNGKey keeps the low 32 bits of a seed (2**32 gives the parameters of 0) and
+# cannot convert one of 2**63 or more at all.
+SEED_LIMIT = 2**32
+# The byte tokenizer's vocabulary (256 bytes and EOS, `dloco.data.Tokenizer.byte`).
+BYTE_VOCAB = 257
+# The driver draws the whole chaos schedule when the run starts (`dloco.chaos.schedule`).
+MAX_SCHEDULED_FAULTS = 1_000_000
 
 # What each baseline implies (ALGORITHM.md §9), applied over the preset and under the user's values
 # (so a conflicting explicit value fails validation with a message, never silently wins).
@@ -82,6 +90,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         _choice("", self, "preset", tuple(PRESETS))
         _choice("", self, "algorithm", ALGORITHMS)
+        _check(0 <= self.seed < SEED_LIMIT, "seed", self.seed, f"must be in [0, {SEED_LIMIT}) (jax.random.PRNGKey)")
+        self._check_resources_and_data()
         H, P, tau = self.sync.every, self.fragments.count, self.sync.overlap
         _check(P <= H, "fragments.count", P, f"must be <= sync.every={H} (1 <= P <= H)")
         _check(H % P == 0, "sync.every", H, f"must be a multiple of fragments.count={P} (H % P == 0)")
@@ -120,6 +130,36 @@ class RunConfig:
                 self.syncer.max_staleness,
                 f"must be 0 for algorithm={a} (a gradient applies only to the model it was computed on)",
             )
+
+    def _check_resources_and_data(self) -> None:
+        """Combinations that the learners, the model or the chaos schedule would fail on after Ray started."""
+        d, m = self.data, self.model
+        if m.vocab_size and d.tokenizer == "byte" and not d.source.startswith("parquet:"):
+            _check(
+                m.vocab_size >= BYTE_VOCAB,
+                "model.vocab_size",
+                m.vocab_size,
+                f"must be 0 (the tokenizer's) or >= {BYTE_VOCAB}, the byte tokenizer's vocabulary "
+                "(a larger id embeds as NaN: every loss would be NaN)",
+            )
+        for g in self.learners.expand():  # a GPU learner's batch is split across its devices
+            devices = int(g.num_gpus) if g.num_gpus >= 1 else 1
+            batch = g.batch_size or self.inner.batch_size
+            if batch % devices:
+                name = "inner.batch_size" if not g.batch_size else f"learners.groups[{g.name}].batch_size"
+                _fail(name, batch, f"must be a multiple of the learner's {devices} GPUs (one slice each)")
+        c, M = self.chaos, self.learners.count
+        span = max(0.0, c.horizon_s - c.warmup_s)
+        for name, mean in (("mtbf_s", c.mtbf_s), ("freeze_mtbf_s", c.freeze_mtbf_s + c.freeze_s)):
+            if getattr(c, name) > 0:
+                expected = M * span / mean
+                _check(
+                    expected <= MAX_SCHEDULED_FAULTS,
+                    f"chaos.{name}",
+                    getattr(c, name),
+                    f"schedules about {expected:.3g} faults for {M} learners over chaos.horizon_s={c.horizon_s} "
+                    f"(at most {MAX_SCHEDULED_FAULTS:,}, drawn when the run starts): raise it or lower chaos.horizon_s",
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -6,7 +6,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from dloco.config.check import _check, _positive
+from dloco.config.check import _check, _finite, _positive, _resource
+
+# Ray's own resource names, which `.options()` refuses inside `resources` (num_cpus/num_gpus set them).
+_RAY_NAMED = ("CPU", "GPU")
+
+
+def _resources(pre: str, num_cpus: float, num_gpus: float, resources: Mapping[str, float]) -> None:
+    """What Ray's `.options()` would refuse when it creates a learner, after the run has started."""
+    _resource(f"{pre}.num_cpus", num_cpus)
+    _resource(f"{pre}.num_gpus", num_gpus)
+    _check(
+        num_gpus <= 1 or num_gpus == int(num_gpus),
+        f"{pre}.num_gpus",
+        num_gpus,
+        "must be <= 1 (a share of one GPU) or a whole number (a learner owns whole GPUs)",
+    )
+    for k, v in resources.items():
+        _check(k not in _RAY_NAMED, f"{pre}.resources.{k}", v, f"use {pre}.num_cpus / num_gpus for CPU and GPU")
+        _check(v >= 0, f"{pre}.resources.{k}", v, "must be >= 0")
+        _resource(f"{pre}.resources.{k}", v)
 
 
 @dataclass(frozen=True)
@@ -33,14 +52,14 @@ class LearnerGroup:
 
     def __post_init__(self) -> None:
         pre = f"learners.groups[{self.name}]"
+        _finite(pre, self)
         _check(self.latency_s >= 0, f"{pre}.latency_s", self.latency_s, "must be >= 0 seconds")
         _check(self.count >= 0, f"{pre}.count", self.count, "must be >= 0")
         _check(self.batch_size >= 0, f"{pre}.batch_size", self.batch_size, "must be >= 0 (0: inner.batch_size)")
         _check(self.num_cpus >= 0, f"{pre}.num_cpus", self.num_cpus, "must be >= 0")
         _check(self.num_gpus >= 0, f"{pre}.num_gpus", self.num_gpus, "must be >= 0")
         _check(self.slowdown >= 1, f"{pre}.slowdown", self.slowdown, "must be >= 1")
-        for k, v in self.resources.items():
-            _check(v >= 0, f"{pre}.resources.{k}", v, "must be >= 0")
+        _resources(pre, self.num_cpus, self.num_gpus, self.resources)
 
 
 @dataclass(frozen=True)
@@ -62,6 +81,7 @@ class LearnersConfig:
     compile_cache_dir: str = "~/.cache/dloco/jax"  # JAX's persistent compilation cache ("": none)
 
     def __post_init__(self) -> None:
+        _finite("learners", self)
         _positive("learners", self, "xla_threads")
         if self.groups:
             names = [g.name for g in self.groups]
@@ -71,8 +91,7 @@ class LearnersConfig:
         _check(self.num_cpus >= 0, "learners.num_cpus", self.num_cpus, "must be >= 0")
         _check(self.num_gpus >= 0, "learners.num_gpus", self.num_gpus, "must be >= 0")
         _check(self.cpu_limit >= 0, "learners.cpu_limit", self.cpu_limit, "must be >= 0 cores (0: no cap)")
-        for k, v in self.resources.items():
-            _check(v >= 0, f"learners.resources.{k}", v, "must be >= 0")
+        _resources("learners", self.num_cpus, self.num_gpus, self.resources)
 
     def expand(self) -> list[LearnerGroup]:
         """One entry per learner id 0..M−1 (its group)."""
@@ -89,15 +108,20 @@ class StoreConfig:
     Each learner keeps one long poll of the store open; with no mail it returns after
     `long_poll_s` and is sent again. `object_store_mb` sizes Ray's object store when
     `dloco train` starts a local cluster (pushes and published fragments live there).
+    `fail_after_s`: commits that keep failing (a full or read-only disk, a store that cannot
+    write) for this long, with no commit succeeding meanwhile, end the run with that error;
+    shorter outages are reported and the run carries on once commits succeed again.
     """
 
     snapshot_every: int = 8
     keep: int = 3
     long_poll_s: float = 30.0
     object_store_mb: int = 512
+    fail_after_s: float = 300.0
 
     def __post_init__(self) -> None:
-        _positive("store", self, "snapshot_every", "keep", "long_poll_s")
+        _finite("store", self)
+        _positive("store", self, "snapshot_every", "keep", "long_poll_s", "fail_after_s")
         _check(
             self.object_store_mb >= 80, "store.object_store_mb", self.object_store_mb, "must be >= 80 (Ray's minimum)"
         )
@@ -111,6 +135,7 @@ class MetricsConfig:
     stall_threshold_s: float = 30.0
 
     def __post_init__(self) -> None:
+        _finite("metrics", self)
         _positive("metrics", self, "eval_every_s", "stall_threshold_s")
 
 
@@ -143,6 +168,9 @@ class ChaosConfig:
     horizon_s: float = 3600.0  # the schedule's length
 
     def __post_init__(self) -> None:
+        _finite("chaos", self)
+        # numpy's SeedSequence (every draw is seeded with (seed, ...)) refuses negative entries
+        _check(self.seed >= 0, "chaos.seed", self.seed, "must be >= 0")
         for n in ("mtbf_s", "freeze_mtbf_s", "warmup_s", "jitter"):
             _check(getattr(self, n) >= 0, f"chaos.{n}", getattr(self, n), "must be >= 0 (0: off)")
         _positive("chaos", self, "freeze_s", "resend_s", "horizon_s")
@@ -167,6 +195,7 @@ class BudgetConfig:
     steps: int = 0
 
     def __post_init__(self) -> None:
+        _finite("budget", self)
         _check(self.tokens >= 0, "budget.tokens", self.tokens, "must be >= 0 (0: no token budget)")
         _check(self.seconds >= 0, "budget.seconds", self.seconds, "must be >= 0 (0: no time budget)")
         _check(self.steps >= 0, "budget.steps", self.steps, "must be >= 0 (0: no step cap)")

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dloco.config.check import _check, _choice, _positive
+from dloco.config.check import _check, _choice, _finite, _positive
+
+# The syncer's outlier check takes the median of the last NORM_WINDOW accepted norms
+# (`dloco.policy.NormTracker`'s window, as `dloco.syncer` builds it): a longer warm-up is never reached,
+# and NormTracker refuses it when the syncer starts.
+NORM_WINDOW = 64
 
 
 @dataclass(frozen=True)
@@ -20,6 +25,7 @@ class ModelConfig:
     rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
+        _finite("model", self)
         _positive("model", self, "d_model", "n_layers", "n_heads", "mlp_ratio", "rope_base")
         _check(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "must be >= 0 (0: from tokenizer)")
         _check(
@@ -46,6 +52,7 @@ class DataConfig:
     shards: int = 64  # disjoint data streams; learner m reads shard m, so at most this many learners
 
     def __post_init__(self) -> None:
+        _finite("data", self)
         _check(
             self.source in ("stdlib", "shakespeare") or self.source.startswith(("text:", "parquet:")),
             "data.source",
@@ -75,6 +82,7 @@ class InnerConfig:
     batch_size: int = 16
 
     def __post_init__(self) -> None:
+        _finite("inner", self)
         _positive("inner", self, "lr", "total_steps", "eps", "grad_clip", "batch_size")
         _check(self.warmup_steps >= 0, "inner.warmup_steps", self.warmup_steps, "must be >= 0")
         _check(
@@ -112,6 +120,7 @@ class OuterConfig:
     delay: int = 0
 
     def __post_init__(self) -> None:
+        _finite("outer", self)
         _positive("outer", self, "lr")
         _check(0 <= self.momentum < 1, "outer.momentum", self.momentum, "must be in [0, 1)")
         _check(self.delay >= 0, "outer.delay", self.delay, "must be >= 0 (0: learners.count, 1: per-commit Nesterov)")
@@ -159,11 +168,17 @@ class SyncerConfig:
     elastic_timeout_s: float = 2.0  # elastic_dp: wait this long for a missing learner, then drop it
 
     def __post_init__(self) -> None:
+        _finite("syncer", self)
         _positive("syncer", self, "quorum", "max_norm_ratio", "elastic_timeout_s")
         _check(self.grace_factor >= 0, "syncer.grace_factor", self.grace_factor, "must be >= 0")
         _check(self.max_grace_steps >= 0, "syncer.max_grace_steps", self.max_grace_steps, "must be >= 0")
         _check(self.max_staleness >= 0, "syncer.max_staleness", self.max_staleness, "must be >= 0")
-        _check(self.norm_warmup >= 0, "syncer.norm_warmup", self.norm_warmup, "must be >= 0")
+        _check(
+            0 <= self.norm_warmup <= NORM_WINDOW,
+            "syncer.norm_warmup",
+            self.norm_warmup,
+            f"must be in [0, {NORM_WINDOW}] (the outlier check's median is over the last {NORM_WINDOW} norms)",
+        )
         _check(0 <= self.ema_decay < 1, "syncer.ema_decay", self.ema_decay, "must be in [0, 1)")
 
 
@@ -238,6 +253,7 @@ class LearnerConfig:
     install: str = "own"
 
     def __post_init__(self) -> None:
+        _finite("learner", self)
         _choice("learner", self, "receive", ("overwrite", "blend", "rebase"))
         _choice("learner", self, "install", ("every", "own"))
         _check(0 <= self.blend_alpha <= 1, "learner.blend_alpha", self.blend_alpha, "must be in [0, 1]")
