@@ -13,6 +13,7 @@ the driver's memory stays flat however long the run), evaluates the global model
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -23,7 +24,7 @@ from typing import Any, cast
 
 import ray
 
-from actors import isolation
+from actors import health, isolation
 from actors.faults import FaultInjector
 from actors.learner import Learner
 from actors.store import FragmentStore
@@ -60,6 +61,8 @@ class RunHandle:
         self._eval = inner.make_eval_step(bp.model, self._mesh)
         self._eval_set = build.eval_set(cfg, bp.corpus)
         self.summary: dict[str, Any] | None = None
+        self.fatal: str | None = None  # why the run must end early (an unrecoverable error)
+        self.auth_mode = health.auth_mode()
         self.faults = FaultInjector(cfg, self.started, self._actors, self._record)
 
         opts = {
@@ -75,15 +78,24 @@ class RunHandle:
         self.store: Any = (
             cast(Any, ray.remote(FragmentStore)).options(name="store", **opts).remote(self.cfg_dict, str(run_dir))
         )
-        ray.get(self.store.ping.remote())
-        # threaded: pushes are accepted on Ray's threads while one thread closes rounds
-        self.syncer: Any = (
-            cast(Any, ray.remote(Syncer))
-            .options(name="syncer", max_concurrency=8, **opts)
-            .remote(self.cfg_dict, "store", self.namespace)
-        )
-        ray.get(self.syncer.ping.remote())
-        self.eval_loss_start = self.evaluate()
+        self.syncer: Any = None
+        try:
+            health.started(self.store, "store")
+            # threaded: pushes are accepted on Ray's threads while one thread closes rounds
+            self.syncer = (
+                cast(Any, ray.remote(Syncer))
+                .options(name="syncer", max_concurrency=8, **opts)
+                .remote(self.cfg_dict, "store", self.namespace)
+            )
+            health.started(self.syncer, "syncer")
+            self.eval_loss_start = self.evaluate()
+        except BaseException:
+            for a in (self.store, self.syncer):
+                if a is not None:
+                    ray.kill(a, no_restart=True)
+            self._metrics_file.close()
+            self._tensorboard.close()
+            raise
         self._record(events.Eval(time=time.time(), loss=self.eval_loss_start, tokens=0).to_dict())
         for m in range(cfg.learners.count):
             self._spawn(m)
@@ -148,9 +160,10 @@ class RunHandle:
         return list(range(first, first + n))
 
     # ---- watching ----------------------------------------------------------------------------
-    def evaluate(self) -> float:
-        """Validation loss of the current global model (fragments fetched from the store)."""
-        _, frs = ray.get(self.store.fragments.remote())
+    def evaluate(self, timeout: float | None = 120.0) -> float:
+        """Validation loss of the current global model (fragments fetched from the store; raises
+        ``GetTimeoutError`` if the store does not answer within `timeout`, e.g. while it restarts)."""
+        _, frs = ray.get(self.store.fragments.remote(), timeout=timeout)
         params = inner.replicate(self._bp.plan.join(frs), self._mesh)
         return inner.evaluate(self._eval, params, self._eval_set, self._mesh)
 
@@ -168,6 +181,9 @@ class RunHandle:
             "rejected": rejected,
             "eval_loss": last_eval["loss"] if last_eval else None,
             "learners": learners,
+            "errors": self.tally.error_counts(),
+            "last_error": None if self.tally.last_error is None else self.tally.last_error.get("error"),
+            "error": self.fatal,
             "done": self._done.is_set(),
         }
 
@@ -218,6 +234,8 @@ class RunHandle:
                 try:
                     for e in ray.get(ref):
                         self._record(e)
+                except ray.exceptions.ActorDiedError as err:  # dead for good: Ray will not restart it
+                    self._failed(name, err)
                 except ray.exceptions.RayError:
                     pass  # it died: its events since the last drain died with it
         refs = {m: (a.status.remote(), a.drain_events.remote()) for m, a in list(self.learners.items())}
@@ -240,17 +258,40 @@ class RunHandle:
                     key = (m, s["incarnation"])
                     self.trained[key] = max(self.trained.get(key, 0), s["tokens_this_incarnation"])
 
+    def _failed(self, target: str, err: BaseException) -> None:
+        """An actor failed for good: recorded; the store or syncer failing (or every learner) ends the run."""
+        msg = health.one_line(err)
+        self._record(events.ActorError(time=time.time(), target=target, error=msg).to_dict())
+        if not target.startswith("learner-"):
+            self.fatal = self.fatal or f"the {target} failed and cannot restart: {msg}"
+
+    def _check_health(self) -> None:
+        """Learners whose `run` failed for good; every learner gone; commits failing for too long."""
+        for m, err in health.failed_runs(self.runs):
+            del self.runs[m]
+            self._failed(f"learner-{m}", err)
+        self.fatal = self.fatal or health.fatal(self.tally, self.cfg, time.time(), learners_left=bool(self.runs))
+
     def _supervise(self) -> None:
         b, last_eval = self.cfg.budget, time.time()
         try:
             while not self._stop_requested.is_set():
                 time.sleep(0.5)
                 self._poll_actors()
+                self._check_health()
+                if self.fatal:
+                    break
                 if time.time() - last_eval >= self.cfg.metrics.eval_every_s:
-                    loss = self.evaluate()
+                    last_eval = time.time()
+                    try:
+                        loss = self.evaluate(timeout=max(10.0, self.cfg.metrics.eval_every_s))
+                    except ray.exceptions.ActorDiedError as e:
+                        self._failed("store", e)
+                        break
+                    except ray.exceptions.RayError:
+                        continue  # the store is restarting (or slow): evaluate at the next tick
                     self._record(events.Eval(time=time.time(), loss=loss, tokens=self.tokens_trained()).to_dict())
                     self._record_goodput(time.time())
-                    last_eval = time.time()
                 if self.progress:
                     self.progress(self.status())
                 elapsed = time.time() - self.started
@@ -262,6 +303,8 @@ class RunHandle:
                     and not ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=0)[1]
                 ):
                     break  # every learner reached budget.steps
+        except Exception as e:  # a bug or an unexpected Ray error: end the run, never hang
+            self.fatal = self.fatal or f"supervisor: {health.one_line(e)}"
         finally:
             self._finish()
 
@@ -277,6 +320,17 @@ class RunHandle:
         return e
 
     def _finish(self) -> None:
+        """Stops learners, evaluates, writes ``summary.json``; whatever fails, `wait` returns."""
+        try:
+            self._wind_down()
+        except Exception as e:
+            self.fatal = self.fatal or f"ending the run: {health.one_line(e)}"
+        finally:
+            if self.summary is None:
+                self.summary = {"error": self.fatal, "run_dir": str(self.run_dir), "config": self.cfg_dict}
+            self._done.set()
+
+    def _wind_down(self) -> None:
         self._stop_requested.set()
         self.faults.stop()  # no scheduled fault after this point
         # The accounting window ends here, when the run is told to stop: waiting below for learners
@@ -288,11 +342,21 @@ class RunHandle:
         self._poll_actors()
         time.sleep(0.5)  # let in-flight rounds commit
         self._poll_actors()
-        end_loss = self.evaluate()
+        end_loss: float | None = None
+        try:
+            end_loss = self.evaluate(timeout=60.0)
+        except ray.exceptions.RayError as e:
+            self._record(events.ActorError(time=time.time(), target="store", error=health.one_line(e)).to_dict())
         end = time.time()
-        self._record(events.Eval(time=end, loss=end_loss, tokens=self.tokens_trained()).to_dict())
+        if end_loss is not None:
+            self._record(events.Eval(time=end, loss=end_loss, tokens=self.tokens_trained()).to_dict())
         self._record_goodput(stop_at)
-        store = ray.get(self.store.summary.remote())
+        try:
+            store = ray.get(self.store.summary.remote(), timeout=60.0)
+        except ray.exceptions.RayError:
+            store = {"versions": None}
+        if self.fatal:
+            self._record(events.RunFailed(time=time.time(), error=self.fatal).to_dict())
         with self._lock:
             self.summary = summarize(
                 self.tally,
@@ -306,6 +370,8 @@ class RunHandle:
                 store=store,
                 learners=len(self.learners),
                 run_dir=str(self.run_dir),
+                error=self.fatal,
+                auth_mode=self.auth_mode,
             )
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2, default=str))
         self._done.set()
@@ -321,7 +387,8 @@ class RunHandle:
         self._stop_requested.set()
         self._thread.join()
         for a in [*self.learners.values(), self.syncer, self.store]:
-            ray.kill(a, no_restart=True)
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(a, no_restart=True)
         if self.cfg.learners.cpu_limit > 0:
             time.sleep(1.0)  # let the killed learner processes exit their cgroups
             isolation.release(f"{self.namespace}-learner-")

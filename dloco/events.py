@@ -39,9 +39,12 @@ _OPTIONAL = {"t", "at", "duration", "skipped", "dropped", "sync_s", "push_age_s"
 
 @dataclass(frozen=True, kw_only=True)
 class StoreStart(Event):
+    """The store (re)started; `quarantined`: damaged files it set aside ({path, reason, moved_to})."""
+
     EVENT = "store_start"
     versions: list[int]
     restored_from: str | None
+    quarantined: list[dict] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,6 +138,31 @@ class SyncerError(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StoreError(Event):
+    """The store failed at something that does not lose a commit (e.g. a snapshot after its log write)."""
+
+    EVENT = "store_error"
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorError(Event):
+    """The driver saw an actor fail for good (``learner-<m>``, ``store``, ``syncer``): Ray will not restart it."""
+
+    EVENT = "actor_error"
+    target: str
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFailed(Event):
+    """The run ends on an error it cannot recover from (the summary's ``error``)."""
+
+    EVENT = "run_failed"
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class PayloadLost(Event):
     EVENT = "payload_lost"
     learner: int
@@ -189,7 +217,8 @@ class Chaos(Event):
 KINDS: dict[str, type[Event]] = {
     c.EVENT: c
     for c in (StoreStart, SyncerStart, LearnerStart, LearnerRestart, LearnerStop, Rejection, Merge, RoundEmpty,
-              CommitRejected, SyncerError, PayloadLost, PayloadResent, Fault, Eval, Goodput, Chaos)
+              CommitRejected, SyncerError, StoreError, ActorError, RunFailed, PayloadLost, PayloadResent, Fault,
+              Eval, Goodput, Chaos)
 }  # fmt: skip
 
 

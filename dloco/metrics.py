@@ -154,9 +154,14 @@ def table(summary: Mapping[str, Any]) -> str:
     """The short end-of-run table printed by ``dloco train``."""
     s = summary
     down = s.get("downtime_s") or []
+
+    def loss(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
+    errors = s.get("errors") or {}
     rows = [
         ("algorithm", s.get("algorithm", "decoupled")),
-        ("eval loss", f"{s['eval_loss_start']:.3f} -> {s['eval_loss_end']:.3f}"),
+        ("eval loss", f"{loss(s['eval_loss_start'])} -> {loss(s['eval_loss_end'])}"),
         ("tokens", f"{s['tokens_trained']:,} trained, {s['tokens_merged']:,.0f} merged"),
         ("merges", f"{s['merges']} (rejected contributions: {s['rejected']})"),
         ("learners", f"{s['learners']} (restarts: {s['restarts']})"),
@@ -170,5 +175,10 @@ def table(summary: Mapping[str, Any]) -> str:
         ("wall time", f"{s['wall_time_s']:.1f} s"),
         ("run dir", str(s["run_dir"])),
     ]
+    if errors:
+        counts = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in errors.items())
+        rows.insert(-2, ("errors", f"{counts}; last: {s.get('last_error')}"))
+    if s.get("error"):
+        rows.insert(0, ("RUN FAILED", str(s["error"])))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

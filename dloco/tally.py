@@ -75,6 +75,21 @@ class Tally:
         self._kills: list[dict[str, Any]] = []
         self._restarting: dict[int, dict[str, Any]] = {}
         self._rejoining: dict[tuple[int, int], dict[str, Any]] = {}
+        self.last_error: dict[str, Any] | None = None  # the newest error event (ERRORS)
+        self.failing_since: float | None = None  # first syncer or store error since the last merge
+
+    ERRORS = ("syncer_error", "store_error", "actor_error")
+
+    def error_counts(self) -> dict[str, int]:
+        """Errors seen so far, by kind (only kinds that occurred)."""
+        return {k: self.counts[k] for k in self.ERRORS if self.counts[k]}
+
+    def failing_for(self, now: float) -> float:
+        """Seconds the run has been failing: since the first ``syncer_error`` or ``store_error``
+        after the newest merge (0 while merges succeed: a failed snapshot alone, with commits
+        still succeeding, never adds up). The driver ends a run when this exceeds
+        `store.fail_after_s`."""
+        return 0.0 if self.failing_since is None else max(0.0, now - self.failing_since)
 
     def add(self, e: Mapping[str, Any]) -> None:
         kind = str(e.get("event"))
@@ -104,9 +119,16 @@ class Tally:
             self._kills.append(d)
         if kind in ("learner_start", "learner_restart") and int(e["learner"]) in self._restarting:
             d = self._restarting.pop(int(e["learner"]))
+            if kind == "learner_start":  # killed before it first registered: its restart is a first start
+                self.counts["restart_from_startup"] += 1
             d["back"], d["downtime_s"] = t, t - d["killed"]
             self._rejoining[(int(e["learner"]), int(e.get("incarnation", 1)))] = d
+        if kind in self.ERRORS:
+            self.last_error = e
+            if kind != "actor_error" and self.failing_since is None:
+                self.failing_since = t
         if kind == "merge":
+            self.failing_since = None
             self._merge(e, t)
 
     def _learner(self, m: int, t: float) -> dict[str, float | None]:
@@ -183,12 +205,14 @@ def summarize(
     stop_at: float,
     end: float,
     eval_loss_start: float,
-    eval_loss_end: float,
+    eval_loss_end: float | None,
     tokens_trained: int,
     statuses: Mapping[int, Mapping[str, Any]],
     store: Mapping[str, Any],
     learners: int,
     run_dir: str,
+    error: str | None = None,
+    auth_mode: str | None = None,
 ) -> dict[str, Any]:
     """``summary.json`` of a run: the tally's accounts up to `stop_at` (when the run was told to
     stop) and what the driver measured at the end (`end`: after the final evaluation)."""
@@ -215,7 +239,12 @@ def summarize(
         "merges": tally.counts["merge"],
         "rejected": tally.counts["rejection"],
         "learners": learners,
-        "restarts": tally.counts["learner_restart"],
+        # a learner killed during start-up comes back as a first start: still a restart
+        "restarts": tally.counts["learner_restart"] + tally.counts["restart_from_startup"],
+        "errors": tally.error_counts(),
+        "last_error": None if tally.last_error is None else tally.last_error.get("error"),
+        "error": error,  # why the run ended early (None: it reached its budget or was stopped)
+        "auth_mode": auth_mode,
         "bytes_up": sum(s["bytes_out"] for s in statuses.values()),
         "bytes_down": sum(s["bytes_in"] for s in statuses.values()),
         "versions": store["versions"],

@@ -107,6 +107,9 @@ def test_seeded_schedule_is_carried_out_logged_and_k1_keeps_advancing(ray_cluste
     downs = metrics.downtimes(events)
     assert len(downs) == len(carried)
     assert all(d["downtime_s"] is None or d["downtime_s"] > 0.5 for d in downs)
+    # every kill the learner came back from is a restart, one killed during its start-up included
+    assert summary["restarts"] == len([d for d in downs if d["back"] is not None])
+    assert summary["error"] is None and summary["auth_mode"] == "disabled"  # the session's choice
     assert any(e["event"] == "payload_lost" for e in events)
     # K = 1: while any learner was training, the merges kept every fragment advancing. On 2 starved
     # cores all three can be down at once (killed, or restarted and not yet merged): only then may a

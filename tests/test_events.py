@@ -41,6 +41,9 @@ def test_every_kind_round_trips_through_json():
         events.RoundEmpty(time=7.0, fragment=0, version=3),
         events.CommitRejected(time=7.5, fragment=0, reason="version conflict"),
         events.SyncerError(time=8.0, error="RuntimeError()", trace="..."),
+        events.StoreError(time=8.1, error="snapshot failed: OSError(28, 'No space left on device')"),
+        events.ActorError(time=8.2, target="learner-2", error="ValueError: corpus key differs"),
+        events.RunFailed(time=8.3, error="the store failed and cannot restart: RunDirLocked"),
         events.PayloadLost(time=9.0, learner=1, fragment=0, step=16, bytes=1024),
         events.PayloadResent(time=10.0, learner=1, fragment=0, step=16),
         events.Fault(time=11.0, target="learner-1", kind="freeze", source="manual", duration=5.0),
@@ -55,7 +58,7 @@ def test_every_kind_round_trips_through_json():
         assert back == e and back.to_dict()["event"] == e.EVENT
     merge = samples[6].to_dict()
     assert "dropped" not in merge and merge["sync_s"] == 0.01  # optional fields appear when set
-    fault = samples[12].to_dict()
+    fault = samples[15].to_dict()
     assert fault["kind"] == "freeze" and "skipped" not in fault and "at" not in fault
 
 

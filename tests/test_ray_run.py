@@ -4,6 +4,9 @@ Every test kills real actors (`ray.kill(..., no_restart=False)`, as a preemption
 what survived. A session-wide local Ray cluster is started once (see the fixture).
 """
 
+import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -119,8 +122,8 @@ def test_payload_lost_with_its_dead_owner_is_skipped_not_fatal(ray_cluster, cfg_
     def meta(m):
         return ContributionMeta(m, 1, p, 0, 100, 10, 8, 0.1, {"epoch": 0, "index": 8}, time.time())
 
-    assert ray.get(syncer.push.remote(meta(0), refs[0]))[0]
-    assert ray.get(syncer.push.remote(meta(1), refs[1]))[0]  # K = 2 reached: the round closes
+    assert ray.get(syncer.push.remote(meta(0), refs[0])).accept
+    assert ray.get(syncer.push.remote(meta(1), refs[1])).accept  # K = 2 reached: the round closes
     seen = []
     wait_for(lambda: seen.extend(ray.get(syncer.drain_events.remote())) or any(e["event"] == "merge" for e in seen))
     lost = [e for e in seen if e["event"] == "rejection"]
@@ -191,3 +194,81 @@ def test_delta_publish_with_latency_survives_a_store_restart(ray_cluster, cfg_fo
         assert sum(ray.get(h.store.summary.remote())["versions"]) > sum(before)
     finally:
         h.stop()
+
+
+def test_failing_commits_are_reported_survived_and_end_the_run_when_they_last(ray_cluster, cfg_for, tmp_path):
+    """The store's commit log made unwritable (its directory replaced by a file, as a full or
+    read-only disk would fail every write): the errors reach `status()`; merging resumes when the
+    directory is back; when it stays unwritable past `store.fail_after_s` the run ends on its own
+    with that error in ``summary.json``: it never hangs."""
+    from actors.launch import start
+
+    h = start(cfg_for("learners.count=2", "budget.seconds=600", "store.fail_after_s=8"), run_dir=tmp_path)
+    wal, away = tmp_path / "store" / "wal", tmp_path / "wal-away"
+
+    def break_log():
+        wal.rename(away)
+        wal.write_text("not a directory")
+
+    try:
+        wait_for(lambda: len(merges(h)) >= 3)
+        break_log()
+        wait_for(lambda: h.status()["errors"].get("syncer_error"), timeout=60)
+        wal.unlink()
+        away.rename(wal)
+        n = len(merges(h))
+        wait_for(lambda: len(merges(h)) >= n + 3, timeout=60)  # carries on once commits succeed
+        assert h.status()["error"] is None
+        break_log()
+        broken_at = time.time()
+        summary = h.wait(timeout=180)
+        assert summary is not None and h.status()["done"]
+        assert summary["error"].startswith("commits have failed for") and "store.fail_after_s=8" in summary["error"]
+        assert time.time() - broken_at < 120  # ended by the supervisor, not by the budget (600 s)
+        assert summary["errors"]["syncer_error"] >= 2
+        on_disk = json.loads((tmp_path / "summary.json").read_text())
+        assert on_disk["error"] == summary["error"]
+        assert [e for e in h.metrics("run_failed") if e["error"] == summary["error"]]
+    finally:
+        h.stop()
+
+
+def test_a_store_that_cannot_start_fails_the_start_in_one_line_and_leaves_nothing(
+    ray_cluster, cfg_for, tmp_path, monkeypatch
+):
+    """Another run takes the directory between the preflight check and the store's start (it holds
+    the store's lock): the store actor cannot start (it waits 10 s for the lock, as for a
+    predecessor still exiting), `start` raises one line naming the holder, and what the start wrote
+    is removed again, so the same command works once the directory is free."""
+    from actors.health import ActorStartError
+    from actors.launch import start
+    from dloco import preflight
+
+    (tmp_path / "mine.txt").write_text("a file of the user's")
+    hold = (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(300)"
+    )
+    holders = []
+    record = preflight.record
+
+    def record_then_race(pf, cfg):
+        path = record(pf, cfg)
+        (pf.run_dir / "store").mkdir()
+        holders.append(subprocess.Popen([sys.executable, "-c", hold, str(pf.run_dir / "store" / "LOCK")],
+                                        stdout=subprocess.PIPE, text=True))  # fmt: skip
+        assert holders[0].stdout is not None and holders[0].stdout.readline().strip() == "held"
+        return path
+
+    monkeypatch.setattr(preflight, "record", record_then_race)
+    try:
+        t0 = time.time()
+        with pytest.raises(ActorStartError) as err:
+            start(cfg_for("learners.count=1", "budget.seconds=60"), run_dir=tmp_path)
+        msg = str(err.value)
+        assert "\n" not in msg and msg.startswith("the store could not start:") and "in use by another store" in msg
+        assert time.time() - t0 < 90
+        assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"]  # as before the start
+    finally:
+        for h in holders:
+            h.kill()

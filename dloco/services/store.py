@@ -40,7 +40,11 @@ class _Session:
 
 
 class StoreService:
-    def __init__(self, cfg: RunConfig, run_dir: str | Path, transport: Transport, clock: Clock) -> None:
+    def __init__(
+        self, cfg: RunConfig, run_dir: str | Path, transport: Transport, clock: Clock, lock_wait_s: float = 10.0
+    ) -> None:
+        """Restores the store from ``run_dir/store``; `RunDirLocked` if another store has it open
+        (after waiting `lock_wait_s` for it to go: a predecessor process may still be exiting)."""
         self.cfg, self.transport, self.clock = cfg, transport, clock
         bp = build.blueprint(cfg)
         self.core = StoreCore(
@@ -49,6 +53,7 @@ class StoreService:
             build.initial_outer(cfg, bp),
             cfg.store.snapshot_every,
             cfg.store.keep,
+            lock_wait_s,
         )
         c = cfg.compression
         self.per_learner = cfg.learner.install == "own" and c.publish == "delta"
@@ -57,8 +62,18 @@ class StoreService:
         self._deltas: dict[int, tuple[int, Any]] = {}  # p → (version, ref of the syncer's q), put once
         self._full: dict[int, tuple[int, Any]] = {}  # p → (version, ref of Θ̂_p): for learners behind a delta
         self.lock = threading.RLock()
-        start = events.StoreStart(time=clock.wall(), versions=self.core.versions, restored_from=self.core.restored_from)
+        start = events.StoreStart(
+            time=clock.wall(),
+            versions=self.core.versions,
+            restored_from=self.core.restored_from,
+            quarantined=list(self.core.quarantined),
+        )
         self.events: list[dict] = [start.to_dict()]
+
+    def close(self) -> None:
+        """Releases the run directory (idempotent), so that another store may open it."""
+        with self.lock:
+            self.core.close()
 
     @property
     def count(self) -> int:
@@ -80,7 +95,12 @@ class StoreService:
         its own merged cursor.
         """
         with self.lock:
-            reg = self.core.register(learner_id)
+            try:
+                reg = self.core.register(learner_id)
+            except OSError as oserr:  # the registry cannot be written: reported, and the learner retries
+                err = events.StoreError(time=self.clock.wall(), error=f"registering learner {learner_id}: {oserr!r}")
+                self.events.append(err.to_dict())
+                raise
             if self.cfg.algorithm in BLOCKING_ALGORITHMS and self.count > 1:
                 newest = [int(e["step"]) for p in range(self.count) for e in self.core.last_merged(p).values()]
                 reg = dataclasses.replace(reg, step=max(newest, default=0))
@@ -174,7 +194,12 @@ class StoreService:
     def commit(self, c: Commit) -> CommitResult:
         """Logs and applies the commit (compare-and-set), then mails it to the learners due for it."""
         with self.lock:
+            failed = self.core.error_count
             result = self.core.commit(c)
+            new = self.core.errors[len(self.core.errors) - (self.core.error_count - failed) :]
+            for e in new:  # e.g. the snapshot after it failed (the commit itself stands)
+                err = events.StoreError(time=self.clock.wall(), error=f"{e['op']}: {e['error']}")
+                self.events.append(err.to_dict())
             if result.accepted and result.reason == "committed":
                 p = c.fragment_id
                 self._deltas.pop(p, None)

@@ -1,0 +1,62 @@
+"""What ends a run early, and how errors are counted: `dloco.tally` and `actors.health` on
+hand-written event traces (no Ray cluster needed)."""
+
+from actors import health
+from dloco import config
+from dloco.tally import Tally, summarize
+
+
+def _merge(t, fragment=0):
+    return {"event": "merge", "time": t, "fragment": fragment, "version": 1, "contributors": [0],
+            "incarnations": [1], "steps": [4], "inner_steps": [4], "tokens": [64], "cycle_s": [0.1]}  # fmt: skip
+
+
+def test_commit_failures_start_a_clock_that_a_merge_stops():
+    tally = Tally(fragments=1, stall_threshold=30.0, start=0.0)
+    tally.add({"event": "learner_start", "time": 0.0, "learner": 0, "incarnation": 1})
+    tally.add({"event": "syncer_error", "time": 10.0, "error": "OSError(28, 'No space left on device')"})
+    tally.add({"event": "syncer_error", "time": 20.0, "error": "OSError(28, 'No space left on device')"})
+    assert tally.failing_for(30.0) == 20.0  # since the first error, not the newest
+    tally.add(_merge(25.0))
+    assert tally.failing_for(30.0) == 0.0
+    tally.add({"event": "store_error", "time": 35.0, "error": "snapshot failed"})
+    tally.add(_merge(36.0))  # commits still succeed: a failing snapshot alone never adds up
+    assert tally.failing_for(50.0) == 0.0
+    tally.add({"event": "syncer_error", "time": 40.0, "error": "OSError(30, 'Read-only file system')"})
+    assert tally.failing_for(100.0) == 60.0
+    assert tally.error_counts() == {"syncer_error": 3, "store_error": 1}
+    assert tally.last_error is not None and "Read-only" in tally.last_error["error"]
+
+    cfg = config.load(None, ["store.fail_after_s=50"])
+    assert health.fatal(tally, cfg, now=80.0, learners_left=True) is None  # failing 40 s < 50 s
+    msg = health.fatal(tally, cfg, now=100.0, learners_left=True)
+    assert msg is not None and "failed for 60 s" in msg and "store.fail_after_s=50" in msg and "Read-only" in msg
+    assert "\n" not in msg
+    gone = health.fatal(tally, cfg, now=81.0, learners_left=False)
+    assert gone == "every learner failed: OSError(30, 'Read-only file system')"
+
+
+def test_a_kill_during_start_up_is_a_restart():
+    tally = Tally(fragments=1, stall_threshold=30.0, start=0.0)
+    tally.add({"event": "learner_start", "time": 0.5, "learner": 0, "incarnation": 1})
+    tally.add({"event": "fault", "time": 1.0, "target": "learner-1", "kind": "kill", "source": "manual"})
+    tally.add({"event": "learner_start", "time": 4.0, "learner": 1, "incarnation": 1})  # never registered before
+    tally.add({"event": "fault", "time": 6.0, "target": "learner-0", "kind": "kill", "source": "manual"})
+    tally.add({"event": "learner_restart", "time": 9.0, "learner": 0, "incarnation": 2})
+    s = summarize(tally, config={}, stop_at=10.0, end=10.0, eval_loss_start=5.0, eval_loss_end=None,
+                  tokens_trained=0, statuses={}, store={"versions": [0]}, learners=2, run_dir="r")  # fmt: skip
+    assert s["restarts"] == 2 and s["downtime_s"] == [3.0, 3.0]
+    assert s["error"] is None and s["errors"] == {}
+
+
+def test_one_line_keeps_the_remote_exception_line():
+    err = RuntimeError(
+        "The actor died because of an error raised in its creation task, ray::FragmentStore.__init__()\n"
+        '  File "x.py", line 3, in __init__\n    raise RunDirLocked(...)\n           ^^^^^^^^^\n'
+        "dloco.durable.RunDirLocked: run dir /r/store is in use by another store (pid 12 on host h)\n"
+    )
+    assert (
+        health.one_line(err)
+        == "dloco.durable.RunDirLocked: run dir /r/store is in use by another store (pid 12 on host h)"
+    )
+    assert health.one_line(ValueError()) == "ValueError"
