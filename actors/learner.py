@@ -19,6 +19,7 @@ many seconds after it arrived.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -46,9 +47,15 @@ class Learner:
         self.latency = groups[min(learner_id, len(groups) - 1)].latency_s
         self.store = ray.get_actor(store_name, namespace=namespace)
         syncer = SyncerHandle(ray.get_actor(syncer_name, namespace=namespace), self.latency)
-        self.service = LearnerService(
-            self.cfg, learner_id, StoreHandle(self.store), syncer, RayTransport(), WallClock(), inner.make_mesh()
-        )
+        mesh = inner.make_mesh()
+        while True:
+            try:
+                self.service = LearnerService(
+                    self.cfg, learner_id, StoreHandle(self.store), syncer, RayTransport(), WallClock(), mesh
+                )
+                break
+            except OSError:  # the store cannot record the registration (disk full, read-only): the
+                time.sleep(2.0)  # driver sees its store_error; waiting here beats dying for good
         self._arriving: deque[tuple[float, Update]] = deque()  # (hand over at, update)
         self.busy: deque[float] = deque(maxlen=64)  # per step: seconds of work (step, installs, pushes)
         self.waits: deque[float] = deque(maxlen=64)  # per step: seconds blocked waiting for merges
@@ -65,6 +72,7 @@ class Learner:
         }
         self._stop = threading.Event()
         self._poll: ray.ObjectRef | None = None
+        self._fetching: dict[int, ray.ObjectRef] = {}  # fragment → a catch-up fetch in flight
 
     def run(self, max_steps: int | None = None) -> dict:
         """Trains until `stop()` (or `max_steps` local steps); returns the final status."""
@@ -73,6 +81,7 @@ class Learner:
         while not self._stop.is_set() and (max_steps is None or core.step_count < max_steps):
             frozen = self._wait_while_frozen()
             self._check_mail(block=False)
+            self._catch_up()
             w0 = time.perf_counter()
             while not svc.ready() and not self._stop.is_set():  # blocking algorithms only
                 nxt = svc.resend_due()
@@ -101,21 +110,36 @@ class Learner:
     def _check_mail(self, block: bool, timeout: float = 1.0) -> None:
         """Takes the long poll's answer if it has come (with `block`, waits up to `timeout` for
         it) and sends the next poll; hands over the updates whose emulated transfer is over."""
-        if self._poll is None:
-            in_transit = [u for _, u in self._arriving]
-            known = self.service.known(in_transit)
-            self._poll = self.store.updates.remote(self.learner_id, self.service.incarnation, known)
-        ready, _ = ray.wait([self._poll], timeout=timeout if block else 0)
+        poll = self._poll or self._send_poll()
+        ready, _ = ray.wait([poll], timeout=timeout if block else 0)
         if ready:
             try:
-                updates = ray.get(self._poll)
-            except RayError:  # the store is restarting: ask again (it opens a session from `known`)
+                updates = ray.get(poll)
+                self._poll = None
+            except RayError:  # the store restarted: ask the new one at once (it opens a session from `known`)
                 updates = []
-                time.sleep(0.05)
-            self._poll = None
+                self._send_poll()
             now = time.monotonic()
             self._arriving.extend((now + self.latency, u) for u in updates)
         self._hand_over()
+
+    def _send_poll(self) -> ray.ObjectRef:
+        known = self.service.known([u for _, u in self._arriving])
+        self._poll = self.store.updates.remote(self.learner_id, self.service.incarnation, known)
+        return self._poll
+
+    def _catch_up(self) -> None:
+        """Fetches, without waiting, each fragment the syncer said this learner is too far behind
+        on (`LearnerService.catch_up_due`); its pushes of it are held until the fetch arrives."""
+        due = self.service.catch_up_due() if self.service.fetch else []
+        for p in due:
+            if p not in self._fetching:
+                self._fetching[p] = self.store.shadow.remote(p, self.learner_id)
+        for p, ref in list(self._fetching.items()):
+            if ray.wait([ref], timeout=0)[0]:
+                del self._fetching[p]
+                with contextlib.suppress(RayError):  # the store restarted: asked again next step if still due
+                    self.service.install_full(p, ray.get(ref))
 
     def _hand_over(self) -> None:
         now, due = time.monotonic(), []

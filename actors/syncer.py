@@ -14,7 +14,7 @@ import ray
 
 from actors.transport import RayTransport, StoreHandle, WallClock
 from dloco.config import from_dict
-from dloco.policy import ContributionMeta
+from dloco.policy import ContributionMeta, Decision
 from dloco.services.syncer import SyncerService
 
 
@@ -25,11 +25,11 @@ class Syncer:
         self._wake = threading.Event()
         threading.Thread(target=self._loop, name="dloco-syncer-rounds", daemon=True).start()
 
-    def push(self, meta: ContributionMeta, payload: list) -> tuple[bool, str]:
+    def push(self, meta: ContributionMeta, payload: list) -> Decision:
         """Accepts or rejects one contribution; `payload` is ``[ObjectRef]`` (not fetched here)."""
         d = self.service.push(meta, payload[0])
         self._wake.set()
-        return d.accept, d.reason
+        return d
 
     def _loop(self) -> None:
         while True:

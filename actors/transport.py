@@ -9,8 +9,10 @@ learner group's emulated latency (`learners.groups[].latency_s`) when it has one
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import ray
@@ -50,10 +52,13 @@ class StoreHandle:
 
 
 class SyncerHandle:
-    """One-way pushes to the syncer actor, `latency` seconds late (an emulated WAN link)."""
+    """Pushes to the syncer actor, `latency` seconds late (an emulated WAN link), without waiting
+    for the decision: `decisions` hands over those that have come back since it was last called."""
 
     def __init__(self, actor, latency: float = 0.0) -> None:
         self.actor, self.latency = actor, latency
+        self._pending: deque[tuple[Any, ray.ObjectRef]] = deque()  # (meta, ref of its Decision)
+        self._lock = threading.Lock()  # pushes are announced from timer threads under latency
 
     def push(self, meta, ref) -> None:
         if self.latency > 0:
@@ -62,4 +67,24 @@ class SyncerHandle:
             self._announce(meta, ref)
 
     def _announce(self, meta, ref) -> None:
-        self.actor.push.remote(meta, [ref])  # in a list: the syncer gets the ref, not the payload
+        # in a list: the syncer gets the ref, not the payload
+        decision = self.actor.push.remote(meta, [ref])
+        with self._lock:
+            self._pending.append((meta, decision))
+
+    def decisions(self) -> list[tuple[Any, Any]]:
+        with self._lock:
+            pending = list(self._pending)
+        if not pending:
+            return []
+        ready = set(ray.wait([r for _, r in pending], num_returns=len(pending), timeout=0)[0])
+        if not ready:
+            return []
+        with self._lock:
+            self._pending = deque(x for x in self._pending if x[1] not in ready)
+        out = []
+        for meta, r in pending:
+            if r in ready:
+                with contextlib.suppress(RayError):  # the syncer restarted meanwhile: as if lost
+                    out.append((meta, ray.get(r)))
+        return out

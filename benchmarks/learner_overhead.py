@@ -152,10 +152,12 @@ class SinkSyncer:
         self.pending: dict[int, object] = {}
         self.pushes = 0
 
-    def push(self, meta, payload: list) -> tuple[bool, str]:
+    def push(self, meta, payload: list):
+        from dloco.policy import ACCEPTED  # the syncer's answer to a push: a `Decision`
+
         self.pending[meta.fragment_id] = payload[0]
         self.pushes += 1
-        return True, "accepted"
+        return ACCEPTED
 
     def count(self) -> int:
         return self.pushes

@@ -85,8 +85,11 @@ class _SyncerFor:
     def __init__(self, sim: Sim) -> None:
         self.sim = sim
 
-    def push(self, meta, ref) -> None:
-        self.sim.syncer_service.push(meta, ref)
+    def push(self, meta, ref):
+        return self.sim.syncer_service.push(meta, ref)
+
+    def decisions(self) -> list:
+        return []  # in process each push's decision is its return value
 
 
 @dataclass
@@ -191,6 +194,7 @@ class Sim:
             )
         elif kind == "kill_store":
             self.dead.add(id(self.store_service.transport))
+            self.store_service.close()  # as its process's death would: the new store takes the lock
             self.store_service = StoreService(self.cfg, self.run_dir, SimTransport(self.dead), self.clock)
             for m, svc in self.services.items():  # each learner's long poll fails and is sent again
                 in_transit = [u for _, mm, _, _, u in self.deliveries if mm == m]
@@ -299,6 +303,8 @@ class Sim:
                 self.next_done[m] = self.frozen_until[m]
                 continue
             svc.core.apply_inbox()
+            for p in svc.catch_up_due():  # told it is too far behind: fetch before pushing again
+                svc.install_full(p, self.store_service.shadow(p, m))
             svc.step(step_time=self.duration[m])
             self._collect()
             self._close_due()

@@ -48,6 +48,7 @@ class Decision:
 
     accept: bool
     reason: str
+    version: int | None = None  # the fragment's version at the syncer when it decided (told to the pusher)
 
 
 ACCEPTED = Decision(True, "accepted")

@@ -53,6 +53,9 @@ class LearnerService:
         self.straggler = learner_id in chaos.stragglers(cfg.chaos, cfg.learners.count)
         self.start_step = reg.step
         self.unacked: dict[int, tuple[float, Push]] = {}  # blocking: fragment → (sent or lost at, push)
+        self.behind: dict[int, int] = {}  # fragment → version the syncer reported when it refused a push as out of date
+        self.fetch: set[int] = set()  # of those, the fragments to fetch in full (not merely wait for)
+        self.held = 0  # pushes not sent while this learner is known to be behind on their fragment
         self.events: list[dict] = []
         self.pushes = self.installs = self.bytes_out = self.bytes_in = 0
 
@@ -73,8 +76,13 @@ class LearnerService:
     def step(self, step_time: float, cycle_time: float | None = None) -> dict[str, float]:
         """One inner step (the caller checked `ready`); sends the pushes that fell due."""
         metrics, pushes = self.core.step(step_time=step_time, cycle_time=cycle_time)
+        self._take_decisions()
         for push in pushes:
             m = push.meta
+            if self._behind(m.fragment_id):  # it would be refused again: fetch first
+                self.held += 1
+                self.fetch.add(m.fragment_id)
+                continue
             if self.core.blocking:
                 self.unacked[m.fragment_id] = (self.clock.now(), push)
             if chaos.payload_lost(self.cfg.chaos, m.learner_id, m.incarnation, m.step, m.fragment_id):
@@ -90,7 +98,50 @@ class LearnerService:
         ref = self.transport.put(push.payload)
         self.pushes += 1
         self.bytes_out += push.nbytes
-        self.syncer.push(dataclasses.replace(push.meta, sent_at=self.clock.wall()), ref)
+        meta = dataclasses.replace(push.meta, sent_at=self.clock.wall())
+        self.decided(meta, self.syncer.push(meta, ref))  # in process the decision comes back at once
+
+    def _take_decisions(self) -> None:
+        for meta, d in self.syncer.decisions():
+            self.decided(meta, d)
+
+    def decided(self, meta, d) -> None:
+        """The syncer's decision on a push. Refused because the learner has not heard of merges the
+        store has (its base is `stale`, or the push `overlap`s or replays a merged push of its own),
+        it learns the fragment's version: it holds its pushes of that fragment until it holds that
+        version. A stale learner fetches it in full at once; after an overlap the merge is usually
+        in the mail already (a push crossed it on the wire), so the fetch waits until a push of the
+        fragment falls due and is held (`catch_up_due`)."""
+        if d is None or d.accept or d.version is None or self.core.blocking:
+            return  # (blocking algorithms wait for every merge: they are never behind)
+        stale = d.reason.startswith("stale")
+        if (stale or d.reason.startswith("overlap") or "merged already" in d.reason) and d.version > meta.base_version:
+            p = meta.fragment_id
+            self.behind[p] = max(self.behind.get(p, -1), d.version)
+            if stale:
+                self.fetch.add(p)
+
+    def _behind(self, p: int) -> bool:
+        return p in self.behind and self.known()[p] < self.behind[p]
+
+    def catch_up_due(self) -> list[int]:
+        """Fragments to fetch in full before pushing them again: the syncer said the store has a
+        newer version than this learner holds, queued or in transit (e.g. mail lost with a
+        restarted store, or a learner frozen while the others merged)."""
+        for p in [p for p in self.behind if not self._behind(p)]:
+            del self.behind[p]  # caught up (by mail, or by a fetch)
+        self.fetch &= set(self.behind)
+        return sorted(self.fetch)
+
+    def install_full(self, p: int, fetched: tuple[int, dict, int | None]) -> None:
+        """Queues fragment p as fetched in full from the store (`StorePeer.shadow`)."""
+        version, values, included = fetched
+        d = Delivery(p, version, values, included)
+        self.core.receive(d)
+        self.bytes_in += d.nbytes
+        if version >= self.behind.get(p, version):
+            self.behind.pop(p, None)
+            self.fetch.discard(p)
 
     def resend_due(self) -> float | None:
         """Blocking algorithms: sends again each push waited on for `chaos.resend_s` without its
@@ -133,10 +184,7 @@ class LearnerService:
             self.installs += 1
 
     def _fetch_full(self, p: int) -> None:
-        version, values, included = self.store.shadow(p, self.learner_id)
-        d = Delivery(p, version, values, included)
-        self.core.receive(d)
-        self.bytes_in += d.nbytes
+        self.install_full(p, self.store.shadow(p, self.learner_id))
 
     def known(self, in_transit: Iterable[Update] = ()) -> list[int]:
         """Newest version of each fragment this learner has: installed, queued or `in_transit`."""
@@ -157,6 +205,7 @@ class LearnerService:
             "tokens_this_incarnation": (c.step_count - self.start_step) * c.tokens_per_step,
             "resyncs": c.resyncs,
             "skipped_pushes": c.skipped,
+            "held_pushes": self.held,
             "pushes": self.pushes,
             "installs": self.installs,
             "bytes_out": self.bytes_out,

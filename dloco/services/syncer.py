@@ -15,6 +15,7 @@ fixed for it.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import traceback
 from typing import Any
@@ -45,7 +46,9 @@ class SyncerService:
             d = self.core.push(meta, ref, self.clock.now())
             if not d.accept:
                 self.events.append(rejection(meta, d.reason, self.clock.wall()))
-        return d
+            p = meta.fragment_id
+            version = self.core.versions[p] if 0 <= p < len(self.core.versions) else None
+        return dataclasses.replace(d, version=version)
 
     def run_due(self) -> float | None:
         """Closes every round that is due; returns the seconds until the next deadline (None: none)."""

@@ -60,4 +60,6 @@ class StorePeer(Protocol):
 
 
 class SyncerPeer(Protocol):
-    def push(self, meta: Any, ref: Any) -> None: ...  # one-way: the decision comes back as an event
+    def push(self, meta: Any, ref: Any) -> Any: ...  # the Decision, or None when it comes later
+
+    def decisions(self) -> list[tuple[Any, Any]]: ...  # (meta, Decision) of pushes decided since the last call
