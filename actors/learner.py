@@ -57,6 +57,7 @@ class Learner:
             except OSError:  # the store cannot record the registration (disk full, read-only): the
                 time.sleep(2.0)  # driver sees its store_error; waiting here beats dying for good
         self._arriving: deque[tuple[float, Update]] = deque()  # (hand over at, update)
+        self.service.in_transit = lambda: [u for _, u in self._arriving]  # held, not yet handed over
         self.busy: deque[float] = deque(maxlen=64)  # per step: seconds of work (step, installs, pushes)
         self.waits: deque[float] = deque(maxlen=64)  # per step: seconds blocked waiting for merges
         self.computes: deque[float] = deque(maxlen=64)  # per step: seconds of the step itself (within busy)
@@ -124,14 +125,14 @@ class Learner:
         self._hand_over()
 
     def _send_poll(self) -> ray.ObjectRef:
-        known = self.service.known([u for _, u in self._arriving])
+        known = self.service.known()  # (with what arrived and waits out its emulated latency)
         self._poll = self.store.updates.remote(self.learner_id, self.service.incarnation, known)
         return self._poll
 
     def _catch_up(self) -> None:
         """Fetches, without waiting, each fragment the syncer said this learner is too far behind
         on (`LearnerService.catch_up_due`); its pushes of it are held until the fetch arrives."""
-        due = self.service.catch_up_due() if self.service.fetch else []
+        due = self.service.catch_up_due() if self.service.behind else []
         for p in due:
             if p not in self._fetching:
                 self._fetching[p] = self.store.shadow.remote(p, self.learner_id)

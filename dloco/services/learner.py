@@ -17,7 +17,7 @@ recovers a round a restarted syncer forgot. Straggling and freezes are time, whi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from dloco import build, chaos, events
 from dloco.config import RunConfig
@@ -55,6 +55,8 @@ class LearnerService:
         self.unacked: dict[int, tuple[float, Push]] = {}  # blocking: fragment → (sent or lost at, push)
         self.behind: dict[int, int] = {}  # fragment → version the syncer reported when it refused a push as out of date
         self.fetch: set[int] = set()  # of those, the fragments to fetch in full (not merely wait for)
+        self._since: dict[int, float] = {}  # fragment → when (clock.now) it fell behind
+        self.in_transit: Callable[[], Iterable[Update]] = tuple  # updates on the (emulated) wire: the driver's
         self.held = 0  # pushes not sent while this learner is known to be behind on their fragment
         self.events: list[dict] = []
         self.pushes = self.installs = self.bytes_out = self.bytes_in = 0
@@ -79,9 +81,8 @@ class LearnerService:
         self._take_decisions()
         for push in pushes:
             m = push.meta
-            if self._behind(m.fragment_id):  # it would be refused again: fetch first
+            if self._behind(m.fragment_id):  # it would be refused again: hold it
                 self.held += 1
-                self.fetch.add(m.fragment_id)
                 continue
             if self.core.blocking:
                 self.unacked[m.fragment_id] = (self.clock.now(), push)
@@ -110,14 +111,16 @@ class LearnerService:
         store has (its base is `stale`, or the push `overlap`s or replays a merged push of its own),
         it learns the fragment's version: it holds its pushes of that fragment until it holds that
         version. A stale learner fetches it in full at once; after an overlap the merge is usually
-        in the mail already (a push crossed it on the wire), so the fetch waits until a push of the
-        fragment falls due and is held (`catch_up_due`)."""
+        in the mail already (a push crossed it on the wire, which latency makes common), so it
+        fetches only if the mail has not brought it within `chaos.resend_s` (the time after which
+        a blocking learner takes a merge for lost, too) (`catch_up_due`)."""
         if d is None or d.accept or d.version is None or self.core.blocking:
             return  # (blocking algorithms wait for every merge: they are never behind)
         stale = d.reason.startswith("stale")
         if (stale or d.reason.startswith("overlap") or "merged already" in d.reason) and d.version > meta.base_version:
             p = meta.fragment_id
             self.behind[p] = max(self.behind.get(p, -1), d.version)
+            self._since.setdefault(p, self.clock.now())
             if stale:
                 self.fetch.add(p)
 
@@ -130,6 +133,9 @@ class LearnerService:
         restarted store, or a learner frozen while the others merged)."""
         for p in [p for p in self.behind if not self._behind(p)]:
             del self.behind[p]  # caught up (by mail, or by a fetch)
+            self._since.pop(p, None)
+        now, wait = self.clock.now(), self.cfg.chaos.resend_s  # then the mail is lost, not on its way
+        self.fetch |= {p for p, t in self._since.items() if now - t >= wait}
         self.fetch &= set(self.behind)
         return sorted(self.fetch)
 
@@ -141,6 +147,7 @@ class LearnerService:
         self.bytes_in += d.nbytes
         if version >= self.behind.get(p, version):
             self.behind.pop(p, None)
+            self._since.pop(p, None)
             self.fetch.discard(p)
 
     def resend_due(self) -> float | None:
@@ -189,7 +196,7 @@ class LearnerService:
     def known(self, in_transit: Iterable[Update] = ()) -> list[int]:
         """Newest version of each fragment this learner has: installed, queued or `in_transit`."""
         known = list(self.core.versions)
-        newer: list[Delivery | Update] = [*self.core.inbox.values(), *in_transit]
+        newer: list[Delivery | Update] = [*self.core.inbox.values(), *in_transit, *self.in_transit()]
         for d in newer:
             known[d.fragment_id] = max(known[d.fragment_id], d.version)
         return known
