@@ -6,8 +6,8 @@ ledger (per fragment and learner: tokens merged, cursor and step of the last mer
 
 On disk under `root` (``run_dir/store``), every file checksummed, atomic and durable (`dloco.durable`):
 ``wal/p{p:03d}-v{v:08d}.npz`` per commit, the fragment's full new state (Θ_p, s_p, the shadow Θ̂_p,
-version, commit_id, ledger), written before the commit is acknowledged (if that fails, e.g. disk
-full or read-only, the commit raises OSError, unapplied);
+version, commit_id, ledger, the syncer's norm history), written before the commit is acknowledged
+(if that fails, e.g. disk full or read-only, the commit raises OSError, unapplied);
 ``snap-{n:08d}/`` every `store.snapshot_every` commits, all fragments and ``meta.json`` (commits,
 versions, registry), written in ``tmp-*`` and renamed, the last `store.keep` kept and older log files
 pruned (a failed snapshot goes to `errors`, its commit stands, and is tried again when next due);
@@ -70,6 +70,7 @@ class Commit:
     commit_id: str
     shadow: dict[str, np.ndarray] | None = None
     delta: dict | None = None  # tensor name → compress.Payload
+    norms: tuple[float, ...] | None = None  # the syncer's per-step norm history of p (§5); None: unchanged
 
     @property
     def version(self) -> int:
@@ -101,22 +102,22 @@ class _Fragment:
     ledger: dict[int, dict] = field(default_factory=dict)  # learner → {tokens, cursor, step, incarnation}
     commit_id: str = ""
     shadow: dict[str, np.ndarray] | None = None  # Θ̂_p (publish: delta), else None: Θ_p itself
+    norms: list[float] = field(default_factory=list)  # the syncer's outlier-check history (§5), oldest first
 
 
 def _cursor_key(c: dict | None) -> tuple[int, int]:
     return (-1, -1) if c is None else (int(c["epoch"]), int(c["index"]))
 
 
-_WAL = re.compile(r"p(\d+)-v(\d+)\.npz")
-_SNAP = re.compile(r"snap-(\d+)")
+_WAL, _SNAP = re.compile(r"p(\d+)-v(\d+)\.npz"), re.compile(r"snap-(\d+)")
 
 
 def _save_fragment(path: Path, f: _Fragment) -> None:
     arrays = {f"v/{k}": v for k, v in f.values.items()}
     arrays.update({f"s/{i}": s for i, s in enumerate(f.outer_state)})
     arrays.update({f"h/{k}": v for k, v in (f.shadow or {}).items()})
-    ledger = {str(k): v for k, v in f.ledger.items()}
-    durable.write_npz(path, arrays, {"version": f.version, "commit_id": f.commit_id, "ledger": ledger})
+    meta = {"version": f.version, "commit_id": f.commit_id, "ledger": {str(k): v for k, v in f.ledger.items()}}
+    durable.write_npz(path, arrays, {**meta, "norms": f.norms})
 
 
 def _load_fragment(path: Path) -> _Fragment:
@@ -127,7 +128,8 @@ def _load_fragment(path: Path) -> _Fragment:
         shadow = {k[2:]: x for k, x in z.items() if k.startswith("h/")} or None
         ledger = {int(k): v for k, v in meta["ledger"].items()}
         values = {k[2:]: x for k, x in z.items() if k.startswith("v/")}
-        return _Fragment(int(meta["version"]), values, state, ledger, str(meta["commit_id"]), shadow)
+        norms = [float(x) for x in meta.get("norms", [])]  # none in files from before it was kept
+        return _Fragment(int(meta["version"]), values, state, ledger, str(meta["commit_id"]), shadow, norms)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptFileError(path, f"bad content: {e!r}") from None
 
@@ -271,8 +273,8 @@ class StoreCore:
                 "step": mp.step,
                 "incarnation": mp.incarnation,
             }
-        shadow = None if c.shadow is None else dict(c.shadow)
-        new = _Fragment(c.version, dict(c.values), list(c.outer_state), ledger, c.commit_id, shadow)
+        shadow, norms = None if c.shadow is None else dict(c.shadow), f.norms if c.norms is None else list(c.norms)
+        new = _Fragment(c.version, dict(c.values), list(c.outer_state), ledger, c.commit_id, shadow, norms)
         _save_fragment(self.root / "wal" / f"p{c.fragment_id:03d}-v{c.version:08d}.npz", new)  # durable first
         self.fragments[c.fragment_id] = new
         self.commits += 1

@@ -25,15 +25,17 @@ rounds expect only the others: the reconfiguration) and takes them back with the
 
 from __future__ import annotations
 
+import math
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from dloco import compress, events, merge, outer
+from dloco import build, compress, defence, events, merge, outer
 from dloco.config import DP_ALGORITHMS, RunConfig
+from dloco.defence import rejection
 from dloco.fragments import FragmentPlan
 from dloco.policy import (
     ContributionMeta,
@@ -42,10 +44,12 @@ from dloco.policy import (
     NormTracker,
     RoundDecision,
     SyncerTimings,
+    check_fields,
     check_meta,
-    check_values,
 )
 from dloco.store import Commit, MergedPush
+
+__all__ = ["MergeOutcome", "SyncerCore", "rejection"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ class SyncerCore:
       shadows: per fragment the shadow Θ̂_p from the store (publish: delta); None: Θ_p.
       merged: per fragment, learner → (incarnation, step) of its last merged push (the store's
         ledger): a push not newer than that is a replay and is rejected.
+      norms: per fragment the per-step norms of the outlier check (`NormTracker.to_state`, the
+        store keeps them with each commit); None or missing (an old run directory): none yet.
 
     Nothing in a closed round's `merge` changes this object: the norm history, the weights and
     Θ_p, s_p, v_p move only in `committed`, once the store acknowledged, so a discarded commit
@@ -87,6 +93,7 @@ class SyncerCore:
         registry: Mapping[int, int],
         shadows: list[dict[str, np.ndarray]] | None = None,
         merged: list[Mapping[int, tuple[int, int]]] | None = None,
+        norms: list[Iterable[float]] | None = None,
     ) -> None:
         self.cfg, self.plan, self.embedding = cfg, plan, embedding
         self.versions = [v for v, _, _ in fragments]
@@ -96,7 +103,7 @@ class SyncerCore:
         self.states = [outer.state_from_numpy(outer.outer_config(cfg), vals, s) for _, vals, s in fragments]
         self.registry = dict(registry)
         self.rounds = [FragmentRound(p, cfg.syncer.quorum) for p in range(plan.count)]
-        self.norms = [NormTracker(warmup=cfg.syncer.norm_warmup) for _ in range(plan.count)]
+        self.norms = [self._tracker(h) for h in norms or [[] for _ in range(plan.count)]]
         self.timings = SyncerTimings(cfg.syncer.ema_decay)
         self._outer_step = outer.make_outer_step(outer.outer_config(cfg))
         self.dp, self.elastic = cfg.algorithm in DP_ALGORITHMS, cfg.algorithm == "elastic_dp"
@@ -110,23 +117,43 @@ class SyncerCore:
         self._closing: dict[int, tuple[float, float, dict[int, int]]] = {}  # p → (ξ_grace, slack, registry) at take
         self._inflight: list[set[tuple[int, int, int]]] = [set() for _ in range(plan.count)]  # taken, not acked
 
+    def _tracker(self, history: Iterable[float]) -> NormTracker:
+        """The outlier check's tracker from a stored history (what is not a finite norm ≥ 0 is dropped)."""
+        kept = [float(x) for x in history if isinstance(x, int | float) and math.isfinite(x) and x >= 0]
+        return NormTracker.from_state(kept, warmup=self.cfg.syncer.norm_warmup)
+
+    def tokens_per_step(self, learner_id: int) -> int:
+        """Tokens one inner step of the learner trains: its batch (`build.learner_batch_size`) × seq_len."""
+        return build.learner_batch_size(self.cfg, learner_id) * self.cfg.data.seq_len
+
     def push(self, meta: ContributionMeta, payload: Any, now: float) -> Decision:
         """Validates a push's metadata and adds it to its fragment's round (`payload` is opaque)."""
+        d = check_fields(meta)  # before anything compares, hashes or indexes with its fields
+        if not d.accept:
+            return d
         p = meta.fragment_id
         if not 0 <= p < self.plan.count:
             return Decision(False, f"unknown fragment {p}")
-        s = self.cfg.syncer
-        d = check_meta(meta, registry=self.registry, current_version=self.versions[p], max_staleness=s.max_staleness)
         if self.registry.get(meta.learner_id) == meta.incarnation:
             self.dropped.discard(meta.learner_id)  # elastic_dp: a dropped learner is back
-        if not d.accept:
-            return d
-        d = self._check_replay(p, meta)
+        d = self._check(p, meta, self.registry, in_round=True)
         if not d.accept:
             return d
         self.timings.observe_step_time(meta.learner_id, meta.step_time)
         note = self.rounds[p].add(meta, payload, now)
         return Decision(True, note or "accepted")
+
+    def _check(self, p: int, meta: ContributionMeta, registry: Mapping[int, int], in_round: bool) -> Decision:
+        """`check_meta` (the learner's tokens per step included), then `_check_replay`."""
+        s = self.cfg.syncer
+        d = check_meta(
+            meta,
+            registry=registry,
+            current_version=self.versions[p],
+            max_staleness=s.max_staleness,
+            tokens_per_step=self.tokens_per_step,
+        )
+        return self._check_replay(p, meta, in_round) if d.accept else d
 
     def _check_replay(self, p: int, meta: ContributionMeta, in_round: bool = True) -> Decision:
         """A push of an incarnation whose step is not newer than its last merged one is a replay;
@@ -212,55 +239,24 @@ class SyncerCore:
         """Decodes, checks, weights and merges a closed round of fragment p; applies the outer step.
 
         `items` pairs each pushed meta with its payload, or None if the payload could not be
-        fetched (e.g. lost with its dead owner): such a push is skipped as missing.
-
-        The outlier check compares per-step norms ‖δ‖ / c_steps. A raw ‖δ‖ grows with the steps a
-        push covers, and a fragment's first pushes cover only its send offset o_p, in lr warmup:
-        measured (M = 8, mini model), the first median of fragment 1 (o_1 = 6 steps) was so
-        small that every later push of it was a "norm outlier", so fragment 1 never moved again
-        and the rejected pushes kept growing (the median only learns from accepted norms).
+        fetched (e.g. lost with its dead owner): such a push is skipped as missing. The checks
+        are `dloco.defence`'s: each push's at close (`screen`), then the merged result's
+        (`check_commit`): one that is not finite or moves Θ_p implausibly far is not committed
+        (a `commit_rejected` event, its pushes rejected), so the global model never absorbs it.
         """
-        rejections: list[dict[str, Any]] = []
-        deltas: list[dict[str, np.ndarray]] = []
-        norms: list[dict[str, float]] = []
-        metas: list[ContributionMeta] = []
-        nbytes_in = 0
-        expected = self.plan.fragments[p].shape_map
-        s = self.cfg.syncer
         closing = self._closing.pop(p, None)
         grace_window, slack, registry = closing or (self.grace(), self.slack(), dict(self.registry))
-        for meta, payload in items:
-            reason = None
-            if payload is None:
-                reason = lost(meta) if lost else "payload lost"
-            else:
-                d = check_meta(meta, registry=registry, current_version=self.versions[p], max_staleness=s.max_staleness)
-                if d.accept:
-                    d = self._check_replay(p, meta, in_round=False)
-                if d.accept:
-                    try:
-                        delta = {n: compress.decode(x) for n, x in payload.items()}
-                    except Exception as e:  # noqa: BLE001 - any undecodable payload is rejected, never merged
-                        delta, reason = None, f"malformed payload: {e}"
-                    if delta is not None:
-                        tn = merge.tensor_norms(delta)
-                        d = check_values(
-                            expected_shapes=expected,
-                            shapes={n: x.shape for n, x in delta.items()},
-                            sq_norm=float(sum(v * v for v in tn.values())) / max(meta.steps, 1) ** 2,
-                            norms=self.norms[p],
-                            max_norm_ratio=s.max_norm_ratio,
-                        )
-                if not d.accept:
-                    reason = d.reason
-            if reason is not None:
-                rejections.append(rejection(meta, reason))
-                continue
-            assert payload is not None and delta is not None  # no reason: fetched, decoded and accepted
-            deltas.append(delta)
-            norms.append(tn)
-            metas.append(meta)
-            nbytes_in += sum(x.nbytes for x in payload.values())
+        size, theta = self.plan.fragments[p].size, defence.norm(self.values[p].values())
+        screened = defence.screen(
+            items,
+            expected=self.plan.fragments[p].shape_map,
+            check=lambda m: self._check(p, m, registry, in_round=False),
+            norms=self.norms[p],
+            max_norm_ratio=self.cfg.syncer.max_norm_ratio,
+            bound=defence.contribution_bound(self.cfg, size, theta),
+            lost=lost,
+        )
+        rejections, metas, norms = screened.rejections, screened.metas, screened.norms
         if not metas:
             return MergeOutcome(None, events.RoundEmpty(fragment=p, version=self.versions[p]).to_dict(), rejections)
         if self.dp:  # the global-batch gradient: each learner's mean gradient weighted by its tokens
@@ -269,26 +265,37 @@ class SyncerCore:
             weights = merge.token_weights([m.tokens for m in metas], [m.steps for m in metas])
         else:
             weights = np.ones(len(metas))
-        pseudo_grad = merge.merge_fragment(deltas, weights, self.cfg.merge.rule, self.embedding, norms)
+        pseudo_grad = merge.merge_fragment(screened.deltas, weights, self.cfg.merge.rule, self.embedding, norms)
         share = self.share(p, metas, weights, registry)
         if share < 1.0:
             pseudo_grad = {n: x * np.float32(share) for n, x in pseudo_grad.items()}
         values, state = self._outer_step(self.values[p], self.states[p], pseudo_grad, len(metas))
-        # per-step norms ‖δ‖ / c_steps (see above), recorded when the store acknowledges
+        # per-step norms ‖δ‖ / c_steps (`defence.screen`), recorded when the store acknowledges
         step_norms = tuple(
             float(np.sqrt(sum(v * v for v in tn.values()))) / max(m.steps, 1)
             for tn, m in zip(norms, metas, strict=True)
         )
-        shadow, published = self._publish(p, values)
+        state_leaves = outer.state_to_numpy(state)
+        refused = defence.check_commit(self.cfg, size, self.values[p], values, state_leaves, step_norms)
+        if refused is None:
+            try:
+                shadow, published = self._publish(p, values)
+            except ValueError as e:  # Θ_p − Θ̂_p beyond what publish_dtype carries (its float16 scales overflow)
+                refused = f"unpublishable: {e}"
+        if refused is not None:  # discarded: its pushes are rejected, nothing of the round is adopted
+            self._dropping.pop(p, None)
+            rejections += [rejection(m, f"commit refused: {refused}") for m in metas]
+            return MergeOutcome(None, events.CommitRejected(fragment=p, reason=refused).to_dict(), rejections)
         commit = Commit(
             fragment_id=p,
             base_version=self.versions[p],
             values=values,
-            outer_state=outer.state_to_numpy(state),
+            outer_state=state_leaves,
             merged=tuple(MergedPush(m.learner_id, m.incarnation, m.step, m.tokens, m.steps, m.cursor) for m in metas),
             commit_id=uuid.uuid4().hex,
             shadow=shadow,
             delta=published,
+            norms=(*self.norms[p].to_state(), *step_norms)[-self.norms[p].window :],
         )
         event = events.Merge(
             fragment=p,
@@ -305,7 +312,7 @@ class SyncerCore:
             grace_s=grace_used,
             grace_window_s=grace_window,
             slack_s=slack,
-            bytes_in=nbytes_in,
+            bytes_in=screened.nbytes_in,
             bytes_out=sum(v.nbytes for v in (published or values).values()),
             rejected=len(rejections),
             dropped=self._dropping.pop(p, []) if self.elastic else None,
@@ -373,9 +380,12 @@ class SyncerCore:
         values: dict[str, np.ndarray],
         state: list[np.ndarray],
         shadow: dict[str, np.ndarray] | None = None,
+        norms: Iterable[float] | None = None,
     ) -> None:
         """Adopt the store's state of fragment p (after a rejected commit or a store restart)."""
         self._closing.pop(p, None)
+        if norms is not None:
+            self.norms[p] = self._tracker(norms)
         self.versions[p], self.values[p] = version, dict(values)
         self.shadows[p] = dict(values if shadow is None else shadow)
         self.states[p] = outer.state_from_numpy(outer.outer_config(self.cfg), values, state)
@@ -385,16 +395,3 @@ class SyncerCore:
         for m in list(self.timings.to_state()["step_time"]):
             if m[0] not in self.registry:
                 self.timings.forget(m[0])
-
-
-def rejection(meta: ContributionMeta, reason: str, time: float | None = None) -> dict[str, Any]:
-    """The ``rejection`` event of a contribution (time: set by the caller's clock)."""
-    return events.Rejection(
-        time=time,
-        fragment=meta.fragment_id,
-        learner=meta.learner_id,
-        incarnation=meta.incarnation,
-        step=meta.step,
-        base_version=meta.base_version,
-        reason=reason,
-    ).to_dict()

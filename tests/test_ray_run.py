@@ -120,7 +120,7 @@ def test_payload_lost_with_its_dead_owner_is_skipped_not_fatal(ray_cluster, cfg_
     ray.kill(owners[0], no_restart=True)  # learner 0 dies after pushing: its payload dies with it
 
     def meta(m):
-        return ContributionMeta(m, 1, p, 0, 100, 10, 8, 0.1, {"epoch": 0, "index": 8}, time.time())
+        return ContributionMeta(m, 1, p, 0, 100, 10, 10, 0.1, {"epoch": 0, "index": 10}, time.time())
 
     assert ray.get(syncer.push.remote(meta(0), refs[0])).accept
     assert ray.get(syncer.push.remote(meta(1), refs[1])).accept  # K = 2 reached: the round closes

@@ -10,7 +10,16 @@ actor can log it verbatim.
 # Layout: `checks` (a push's metadata and values, the norm tracker) and `rounds` (timing averages,
 # the grace window, the per-fragment round).
 
-from dloco.policy.checks import ACCEPTED, ContributionMeta, Decision, NormTracker, check_meta, check_values
+from dloco.policy.checks import (
+    ACCEPTED,
+    ContributionMeta,
+    Decision,
+    NormTracker,
+    check_cursor,
+    check_fields,
+    check_meta,
+    check_values,
+)
 from dloco.policy.rounds import Ema, FragmentRound, RoundDecision, SyncerTimings, grace_window
 
 __all__ = [
@@ -22,6 +31,8 @@ __all__ = [
     "NormTracker",
     "RoundDecision",
     "SyncerTimings",
+    "check_cursor",
+    "check_fields",
     "check_meta",
     "check_values",
     "grace_window",

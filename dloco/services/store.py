@@ -179,9 +179,12 @@ class StoreService:
         return s is not None and bool(s.outbox)
 
     # ---- the syncer --------------------------------------------------------------------------
-    def syncer_state(self) -> tuple[list[tuple[int, dict, list]], dict[int, int], list[dict], list[dict[int, tuple]]]:
-        """What a (re)starting syncer needs: (v_p, Θ_p, s_p) per fragment, the registry, Θ̂_p, and
-        per fragment the (incarnation, step) of each learner's last merged push."""
+    def syncer_state(
+        self,
+    ) -> tuple[list[tuple[int, dict, list]], dict[int, int], list[dict], list[dict[int, tuple]], list[list[float]]]:
+        """What a (re)starting syncer needs: (v_p, Θ_p, s_p) per fragment, the registry, Θ̂_p, per
+        fragment the (incarnation, step) of each learner's last merged push, and per fragment the
+        norm history of its outlier check as of the last commit (empty in an old run directory)."""
         with self.lock:
             n = self.count
             frs = [(*self.core.fragment(p), self.core.outer_state(p)) for p in range(n)]
@@ -189,7 +192,8 @@ class StoreService:
                 {m: (int(e["incarnation"]), int(e["step"])) for m, e in self.core.last_merged(p).items()}
                 for p in range(n)
             ]
-            return frs, self.core.live_registry(), [self.core.shadow(p)[1] for p in range(n)], merged
+            norms = [list(f.norms) for f in self.core.fragments]
+            return frs, self.core.live_registry(), [self.core.shadow(p)[1] for p in range(n)], merged, norms
 
     def commit(self, c: Commit) -> CommitResult:
         """Logs and applies the commit (compare-and-set), then mails it to the learners due for it."""

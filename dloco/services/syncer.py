@@ -6,11 +6,12 @@ with its owner counts as a missing contribution), merge, send the commit to the 
 once the store acknowledged adopt the result (`SyncerCore.committed`); a rejected commit (the
 store moved on, e.g. restored) makes the syncer adopt the store's state and drop the round.
 
-On (re)start the state comes from the store: Θ_p, s_p, v_p, the registry, Θ̂_p and the last
-merged step of every learner; pending pushes are soft state that blocking learners resend and
-decoupled learners replace with their next push. `push` and `run_due` may run on different
-threads: they share the round state under one lock, and the merge itself reads only what `take`
-fixed for it.
+On (re)start the state comes from the store: Θ_p, s_p, v_p, the registry, Θ̂_p, the last
+merged step of every learner and the norm history of the outlier check; pending pushes are soft
+state that blocking learners resend and decoupled learners replace with their next push. `push`
+and `run_due` may run on different threads: they share the round state under one lock, and the
+merge itself reads only what `take` fixed for it. A merged result `dloco.defence` refuses is
+logged as `commit_rejected` with its reason, its pushes as rejections, and never committed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from dloco import build, events
 from dloco.config import RunConfig
-from dloco.policy import ContributionMeta, Decision
+from dloco.policy import ContributionMeta, Decision, check_fields
 from dloco.services.wire import Clock, PayloadLostError, StorePeer, Transport
 from dloco.syncer import SyncerCore, rejection
 
@@ -31,14 +32,15 @@ class SyncerService:
     def __init__(self, cfg: RunConfig, store: StorePeer, transport: Transport, clock: Clock) -> None:
         self.cfg, self.store, self.transport, self.clock = cfg, store, transport, clock
         bp = build.blueprint(cfg)
-        frs, registry, shadows, merged = store.syncer_state()
-        self.core = SyncerCore(cfg, bp.plan, bp.embedding, frs, registry, shadows, merged)
+        frs, registry, shadows, merged, norms = store.syncer_state()
+        self.core = SyncerCore(cfg, bp.plan, bp.embedding, frs, registry, shadows, merged, norms)
         self.lock = threading.Lock()
         self.events: list[dict] = [events.SyncerStart(time=clock.wall(), versions=list(self.core.versions)).to_dict()]
 
     def push(self, meta: ContributionMeta, ref: Any) -> Decision:
         """Accepts or rejects one contribution; `ref` is where the transport put its payload."""
-        if self.core.registry.get(meta.learner_id) != meta.incarnation:
+        formed = check_fields(meta).accept  # a malformed push is rejected by `core.push`, touching nothing
+        if formed and self.core.registry.get(meta.learner_id) != meta.incarnation:
             registry = self.store.registry()  # a (re)started learner the syncer has not seen yet
             with self.lock:
                 self.core.update_registry(registry)
@@ -47,7 +49,7 @@ class SyncerService:
             if not d.accept:
                 self.events.append(rejection(meta, d.reason, self.clock.wall()))
             p = meta.fragment_id
-            version = self.core.versions[p] if 0 <= p < len(self.core.versions) else None
+            version = self.core.versions[p] if formed and 0 <= p < len(self.core.versions) else None
         return dataclasses.replace(d, version=version)
 
     def run_due(self) -> float | None:
@@ -86,7 +88,9 @@ class SyncerService:
         outcome = self.core.merge(p, pairs, grace_used=grace_used, lost=lambda m: lost[(m.learner_id, m.step)])
         wall = self.clock.wall()
         self.events.extend({**r, "time": wall} for r in outcome.rejections)
-        if outcome.commit is None:
+        if outcome.commit is None:  # nothing valid, or a result refused before its commit (`dloco.defence`)
+            if outcome.event["event"] == events.CommitRejected.EVENT:
+                self.events.append({**outcome.event, "time": wall})
             return
         result = self.store.commit(outcome.commit)
         if result.accepted:
@@ -97,10 +101,10 @@ class SyncerService:
                 {**outcome.event, "time": self.clock.wall(), "sync_s": self.clock.now() - t0, "push_age_s": ages}
             )
         else:  # the store moved on (e.g. restored): adopt its state, the round's work is dropped
-            frs, _, shadows, _ = self.store.syncer_state()
+            frs, _, shadows, _, norms = self.store.syncer_state()
             version, values, state = frs[p]
             with self.lock:
-                self.core.reload(p, version, values, state, shadows[p])
+                self.core.reload(p, version, values, state, shadows[p], norms[p])
             self.events.append(events.CommitRejected(time=wall, fragment=p, reason=result.reason).to_dict())
 
     def status(self) -> dict:
