@@ -268,6 +268,21 @@ class RunDirLock:
             finally:
                 os.close(wfd)
 
+    def probe(self) -> dict | None:
+        """Whether another process holds the lock, without taking it or writing anything: None if
+        it is free (or was never created), else the holder's pid and host ({} if unknown)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return self.holder()
+        finally:
+            os.close(fd)  # also releases the probe's lock
+        return None
+
     def holder(self) -> dict:
         """The pid and host written by the current holder ({} if unknown)."""
         try:

@@ -17,7 +17,6 @@ cadence, chaos and timings may change. A resumed run writes its config to ``conf
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import json
 import os
@@ -30,7 +29,7 @@ from typing import Any
 
 import jax
 
-from dloco import build, data, model, outer
+from dloco import build, data, durable, model, outer
 from dloco.config import ConfigError, LearnerGroup, RunConfig, from_dict
 from dloco.fragments import flatten, partition
 
@@ -128,22 +127,15 @@ def _check_writable(run_dir: Path) -> None:
 
 
 def _check_unlocked(run_dir: Path) -> None:
-    """A store still running in `run_dir` holds ``store/LOCK`` (`dloco.durable.RunDirLock`); probed
-    with a non-blocking ``flock`` on a read-only descriptor, which writes nothing."""
-    lock = run_dir / "store" / "LOCK"
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:
-        return  # no lock file: no store has run here since locks exist
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = " ".join(lock.read_text(errors="replace").split()) or "unknown"  # the holder's pid and host
+    """A store still running in `run_dir` holds ``store/LOCK`` (`dloco.durable.RunDirLock.probe`,
+    which writes nothing)."""
+    lock = durable.RunDirLock(run_dir / "store")
+    holder = lock.probe()
+    if holder is not None:
+        who = json.dumps(holder) if holder else "unknown"  # the holder's pid and host
         raise PreflightError(
-            f"run dir {run_dir} is in use by another store ({holder}; {lock}): stop that run or use another --run-dir"
-        ) from None
-    finally:
-        os.close(fd)  # also releases the probe's lock
+            f"run dir {run_dir} is in use by another store ({who}; {lock.path}): stop that run or use another --run-dir"
+        )
 
 
 # ---- data --------------------------------------------------------------------------------------

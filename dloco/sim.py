@@ -303,8 +303,7 @@ class Sim:
                 self.next_done[m] = self.frozen_until[m]
                 continue
             svc.core.apply_inbox()
-            for p in svc.catch_up_due():  # told it is too far behind: fetch before pushing again
-                svc.install_full(p, self.store_service.shadow(p, m))
+            svc.catch_up()  # told it is too far behind: fetch before pushing again
             svc.step(step_time=self.duration[m])
             self._collect()
             self._close_due()

@@ -139,6 +139,12 @@ class LearnerService:
         self.fetch &= set(self.behind)
         return sorted(self.fetch)
 
+    def catch_up(self) -> None:
+        """Fetches, waiting for each, the fragments `catch_up_due` names (in process; the Ray
+        learner fetches them without waiting and hands each to `install_full`)."""
+        for p in self.catch_up_due():
+            self._fetch_full(p)
+
     def install_full(self, p: int, fetched: tuple[int, dict, int | None]) -> None:
         """Queues fragment p as fetched in full from the store (`StorePeer.shadow`)."""
         version, values, included = fetched
