@@ -10,6 +10,7 @@ stays the one owner of them.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +38,9 @@ class FaultInjector:
 
     def observe(self, e: dict[str, Any]) -> None:
         """A learner registered: it is back from its kill."""
-        if e["event"] in ("learner_start", "learner_restart"):  # killed before its first registration: start
+        # killed before its first registration: learner_start; a registration from before the kill
+        # that arrives after it (store events are drained later) is not the learner coming back
+        if e["event"] in ("learner_start", "learner_restart") and e["time"] >= self.down.get(e["learner"], math.inf):
             self.down.pop(e["learner"], None)
 
     def _run(self) -> None:

@@ -117,7 +117,10 @@ class Tally:
             d["rejoin_s"] = None
             self._restarting[m] = d
             self._kills.append(d)
-        if kind in ("learner_start", "learner_restart") and int(e["learner"]) in self._restarting:
+        # a registration from before the kill, arriving after it (the driver records its own faults
+        # at once and drains the store's events later), is not the learner coming back
+        back = self._restarting.get(int(e["learner"])) if kind in ("learner_start", "learner_restart") else None
+        if back is not None and t >= back["killed"]:
             d = self._restarting.pop(int(e["learner"]))
             if kind == "learner_start":  # killed before it first registered: its restart is a first start
                 self.counts["restart_from_startup"] += 1

@@ -203,7 +203,10 @@ def test_failing_commits_are_reported_survived_and_end_the_run_when_they_last(ra
     with that error in ``summary.json``: it never hangs."""
     from actors.launch import start
 
-    h = start(cfg_for("learners.count=2", "budget.seconds=600", "store.fail_after_s=8"), run_dir=tmp_path)
+    # 25 s: from the first failed commit to the driver seeing a merge again takes the driver's
+    # drain and evaluation cycle plus this test's polling, several seconds on 2 loaded cores (with
+    # 8 s the run once ended before the log was back, in CI)
+    h = start(cfg_for("learners.count=2", "budget.seconds=600", "store.fail_after_s=25"), run_dir=tmp_path)
     wal, away = tmp_path / "store" / "wal", tmp_path / "wal-away"
 
     def break_log():
@@ -217,13 +220,13 @@ def test_failing_commits_are_reported_survived_and_end_the_run_when_they_last(ra
         wal.unlink()
         away.rename(wal)
         n = len(merges(h))
-        wait_for(lambda: len(merges(h)) >= n + 3, timeout=60)  # carries on once commits succeed
-        assert h.status()["error"] is None
+        wait_for(lambda: len(merges(h)) >= n + 3 or h.status()["error"], timeout=60)  # carries on
+        assert h.status()["error"] is None  # once commits succeed
         break_log()
         broken_at = time.time()
         summary = h.wait(timeout=180)
         assert summary is not None and h.status()["done"]
-        assert summary["error"].startswith("commits have failed for") and "store.fail_after_s=8" in summary["error"]
+        assert summary["error"].startswith("commits have failed for") and "store.fail_after_s=25" in summary["error"]
         assert time.time() - broken_at < 120  # ended by the supervisor, not by the budget (600 s)
         assert summary["errors"]["syncer_error"] >= 2
         on_disk = json.loads((tmp_path / "summary.json").read_text())
