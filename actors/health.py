@@ -70,3 +70,16 @@ def fatal(tally: Tally, cfg: RunConfig, now: float, learners_left: bool) -> str 
             "make the run dir writable (free its disk) and continue with --resume"
         )
     return None
+
+
+def process_memory(pid: int | None = None) -> dict[str, int]:
+    """A process's (this one's by default) pid, resident set and peak resident set in bytes, from
+    ``/proc`` (Linux): what `memory()` of the store and the syncer report, for soak runs."""
+    pid = pid or os.getpid()
+    fields = {}
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024
+    return {"pid": pid, "rss_bytes": fields.get("VmRSS", 0), "peak_rss_bytes": fields.get("VmHWM", 0)}

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import time
 
+from actors import health
 from actors.transport import RayTransport, WallClock
 from dloco.config import from_dict
 from dloco.services.store import StoreService
@@ -74,3 +75,6 @@ class FragmentStore:
 
     async def ping(self) -> bool:
         return True
+
+    async def memory(self) -> dict[str, int]:
+        return health.process_memory()

@@ -12,6 +12,7 @@ import threading
 
 import ray
 
+from actors import health
 from actors.transport import RayTransport, StoreHandle, WallClock
 from dloco.config import from_dict
 from dloco.policy import ContributionMeta, Decision
@@ -45,3 +46,6 @@ class Syncer:
 
     def ping(self) -> bool:
         return True
+
+    def memory(self) -> dict[str, int]:
+        return health.process_memory()

@@ -19,10 +19,14 @@ feedback per learner, the same decode on both sides, so C_mp is what m holds bit
 stays within one quantization step of Θ_p (the callers pass the merged Θ_p itself, not the
 syncer's shadow). The copies are soft state (M copies of the model in
 the store's memory): lost with a store restart, after which a learner is sent Θ̂_p in full once.
+Their memory is bounded by `store.copies_mb`: past it the least recently used copies are dropped,
+and a learner whose copy was dropped is sent its next version of that fragment in full (what it
+costs: `stats`, in the store's summary).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import numpy as np
@@ -52,20 +56,41 @@ def due(install: str, version: int, known: int, told: int | None, merged: int | 
 
 
 class Copies:
-    """What each learner holds of each fragment, for per-learner delta publishing (module docstring)."""
+    """What each learner holds of each fragment, for per-learner delta publishing (module docstring),
+    at most `limit_bytes` of them (least recently used dropped first)."""
 
-    def __init__(self, dtype: str, block: int) -> None:
-        self.dtype, self.block = dtype, block
-        self._held: dict[tuple[int, int], tuple[int, dict[str, np.ndarray]]] = {}
+    def __init__(self, dtype: str, block: int, limit_bytes: int) -> None:
+        self.dtype, self.block, self.limit = dtype, block, limit_bytes
+        self._held: OrderedDict[tuple[int, int], tuple[int, dict[str, np.ndarray]]] = OrderedDict()
+        self.bytes = self.peak = self.dropped = 0
+
+    def _keep(self, key: tuple[int, int], version: int, values: dict[str, np.ndarray]) -> None:
+        self._discard(key)
+        self._held[key] = (version, values)
+        self.bytes += sum(v.nbytes for v in values.values())
+        while self.bytes > self.limit and len(self._held) > 1:
+            self._discard(next(iter(self._held)))  # the least recently used (never `key` itself)
+            self.dropped += 1
+        self.peak = max(self.peak, self.bytes)
+
+    def _discard(self, key: tuple[int, int]) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            self.bytes -= sum(v.nbytes for v in held[1].values())
 
     def set(self, learner: int, p: int, version: int, values: Mapping[str, np.ndarray]) -> None:
         """The learner was sent `values` of fragment p in full (at registration or a full fetch)."""
-        self._held[learner, p] = (version, {n: np.array(v, np.float32) for n, v in values.items()})
+        self._keep((learner, p), version, {n: np.array(v, np.float32) for n, v in values.items()})
 
     def forget(self, learner: int) -> None:
-        """A restarted learner: what its earlier incarnation held is gone."""
+        """A restarted or retired learner: what its earlier incarnation held is gone."""
         for k in [k for k in self._held if k[0] == learner]:
-            del self._held[k]
+            self._discard(k)
+
+    def stats(self) -> dict[str, int]:
+        """Bytes held now and at most, the limit, copies held and copies dropped for the limit."""
+        return {"bytes": self.bytes, "peak_bytes": self.peak, "limit_bytes": self.limit,
+                "copies": len(self._held), "dropped": self.dropped}  # fmt: skip
 
     def version(self, learner: int, p: int) -> int | None:
         held = self._held.get((learner, p))
@@ -102,5 +127,5 @@ class Copies:
         for n, x in target.items():
             q[n] = compress.encode(np.asarray(x, np.float32) - held[n], self.dtype, self.block)
             new[n] = held[n] + compress.decode(q[n])
-        self._held[learner, p] = (version, new)
+        self._keep((learner, p), version, new)
         return q

@@ -2,7 +2,7 @@
 
 `StoreCore` holds the authoritative global fragments Θ_p with their versions v_p, the outer
 optimizer state s_p of each fragment, the learner registry (id → incarnation) and the token
-ledger (per fragment and learner: tokens merged, cursor and step of the last merged push).
+ledger (`dloco.ledger`: per fragment and learner, tokens merged and the last merged push).
 
 On disk under `root` (``run_dir/store``), every file checksummed, atomic and durable (`dloco.durable`):
 ``wal/p{p:03d}-v{v:08d}.npz`` per commit, the fragment's full new state (Θ_p, s_p, the shadow Θ̂_p,
@@ -37,20 +37,9 @@ import numpy as np
 
 from dloco import durable
 from dloco.durable import CorruptFileError, RunDirLocked
+from dloco.ledger import MergedPush, merged_cursor, record, tokens_merged
 
 __all__ = ["Commit", "CommitResult", "CorruptFileError", "MergedPush", "Registration", "RunDirLocked", "StoreCore"]
-
-
-@dataclass(frozen=True)
-class MergedPush:
-    """One learner's push included in a commit (what the ledger records)."""
-
-    learner_id: int
-    incarnation: int
-    step: int
-    tokens: int
-    steps: int
-    cursor: dict | None
 
 
 @dataclass(frozen=True)
@@ -103,10 +92,6 @@ class _Fragment:
     commit_id: str = ""
     shadow: dict[str, np.ndarray] | None = None  # Θ̂_p (publish: delta), else None: Θ_p itself
     norms: list[float] = field(default_factory=list)  # the syncer's outlier-check history (§5), oldest first
-
-
-def _cursor_key(c: dict | None) -> tuple[int, int]:
-    return (-1, -1) if c is None else (int(c["epoch"]), int(c["index"]))
 
 
 _WAL, _SNAP = re.compile(r"p(\d+)-v(\d+)\.npz"), re.compile(r"snap-(\d+)")
@@ -214,25 +199,12 @@ class StoreCore:
         return self.fragments[p].ledger
 
     def tokens_merged(self) -> dict[int, list[int]]:
-        """learner → tokens merged into each fragment (the token ledger)."""
-        out: dict[int, list[int]] = {}
-        for p, f in enumerate(self.fragments):
-            for m, e in f.ledger.items():
-                out.setdefault(m, [0] * len(self.fragments))[p] = e["tokens"]
-        return out
+        """learner → tokens merged into each fragment (the token ledger, each step counted once)."""
+        return tokens_merged([f.ledger for f in self.fragments])
 
     def merged_cursor(self, learner_id: int) -> tuple[dict | None, int]:
-        """The data position up to which this learner's progress reached every fragment.
-
-        Minimum over fragments of the cursor of its last merged push; None (start of its
-        stream) if some fragment never merged a push of it. Also returns that push's step.
-        """
-        entries = [f.ledger.get(learner_id) for f in self.fragments]
-        merged = [e for e in entries if e is not None]
-        if len(merged) < len(entries):
-            return None, 0
-        first = min(merged, key=lambda e: _cursor_key(e["cursor"]))
-        return first["cursor"], int(first["step"])
+        """Where the learner resumes: `dloco.ledger.merged_cursor` over the fragments' ledgers."""
+        return merged_cursor([f.ledger for f in self.fragments], learner_id)
 
     # ---- writes ------------------------------------------------------------------------------
     def register(self, learner_id: int) -> Registration:
@@ -264,15 +236,7 @@ class StoreCore:
             return CommitResult(
                 False, f.version, f"version conflict: commit from {c.base_version}, store at {f.version}"
             )
-        ledger = {m: dict(e) for m, e in f.ledger.items()}
-        for mp in c.merged:
-            tokens = ledger.get(mp.learner_id, {"tokens": 0})["tokens"] + mp.tokens
-            ledger[mp.learner_id] = {
-                "tokens": tokens,
-                "cursor": mp.cursor,
-                "step": mp.step,
-                "incarnation": mp.incarnation,
-            }
+        ledger = record(f.ledger, c.merged)
         shadow, norms = None if c.shadow is None else dict(c.shadow), f.norms if c.norms is None else list(c.norms)
         new = _Fragment(c.version, dict(c.values), list(c.outer_state), ledger, c.commit_id, shadow, norms)
         _save_fragment(self.root / "wal" / f"p{c.fragment_id:03d}-v{c.version:08d}.npz", new)  # durable first

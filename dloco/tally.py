@@ -251,6 +251,7 @@ def summarize(
         "bytes_up": sum(s["bytes_out"] for s in statuses.values()),
         "bytes_down": sum(s["bytes_in"] for s in statuses.values()),
         "versions": store["versions"],
+        "copies": store.get("copies"),  # the store's per-learner copies: bytes held, peak, limit, dropped
         "placement": {m: s.get("node") for m, s in sorted(statuses.items())},
         "wall_time_s": end - tally.start,
         "run_dir": run_dir,

@@ -48,15 +48,19 @@ def ray_cluster():
     ray.shutdown()
 
 
-def wait_for(pred, timeout=120.0, every=0.25):
-    """Polls `pred` until it returns something truthy (returned) or `timeout` seconds pass (fails)."""
+def wait_for(pred, timeout=120.0, every=0.25, fail=True):
+    """Polls `pred` until it returns something truthy (returned) or `timeout` seconds pass (fails,
+    or with ``fail=False`` returns the last falsy value, for a caller that explains the failure)."""
     end = time.time() + timeout
+    value = None
     while time.time() < end:
         value = pred()
         if value:
             return value
         time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout} s")
+    if fail:
+        raise AssertionError(f"condition not met within {timeout} s")
+    return value
 
 
 def run_privileged_script(cmd, cwd, timeout, drop_env=("RAY_ADDRESS",)):

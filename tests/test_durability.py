@@ -61,7 +61,7 @@ def _scenario(root) -> None:
             s.register(1)
         if i == 7:
             s.register(2)
-        pushes = ((0, 2, 10 * i), (2, 2, 5)) if i == 7 else ((0, 2, 10 * i),)
+        pushes = ((0, 2, 10 * i), (2, 2, 10)) if i == 7 else ((0, 2, 10 * i),)
         assert commit(s, (i - 1) % 2, float(i), pushes).reason == "committed"
     assert s.versions == [4, 3] and s.registry == REGISTRY
     assert sorted(p.name for p in (root / "wal").iterdir()) == [

@@ -35,7 +35,7 @@ def test_own_sends_when_a_push_it_was_not_told_of_is_merged_or_it_falls_half_the
 def test_copies_send_one_delta_for_skipped_versions_and_track_the_target():
     rng = np.random.default_rng(0)
     theta0 = {"w": rng.normal(size=(4, 64)).astype(np.float32)}
-    copies = Copies("int4", 128)
+    copies = Copies("int4", 128, 1 << 30)
     copies.set(1, 0, 3, theta0)
     learner = {n: x.copy() for n, x in theta0.items()}  # what learner 1 holds
     target = theta0
@@ -54,6 +54,29 @@ def test_copies_send_one_delta_for_skipped_versions_and_track_the_target():
         copies.delta(1, 0, 15, target)
     copies.forget(1)
     assert copies.version(1, 0) is None
+
+
+def test_copies_stay_within_their_limit_dropping_the_least_recently_used():
+    """Each copy is 4 × 64 float32 = 1 KiB; the limit holds two. Three learners' copies of one
+    fragment: the least recently used is dropped, its learner gets `prepare`'s full send next,
+    and the bytes held never exceed the limit."""
+    theta = {"w": np.ones((4, 64), np.float32)}
+    copies = Copies("int8", 128, 2048)
+    copies.set(0, 0, 1, theta)
+    copies.set(1, 0, 1, theta)
+    copies.delta(0, 0, 2, {"w": theta["w"] * 2})  # learner 0's copy is now the most recently used
+    copies.set(2, 0, 1, theta)  # over the limit: learner 1's copy (least recently used) goes
+    assert [copies.version(m, 0) for m in range(3)] == [2, None, 1]
+    assert copies.stats() == {"bytes": 2048, "peak_bytes": 2048, "limit_bytes": 2048, "copies": 2, "dropped": 1}
+    kind, payload, base = copies.prepare(1, 0, 3, 1, theta, theta)  # learner 1 holds v1; its copy is gone
+    assert (kind, base) == ("full", 3) and payload is theta
+    assert [copies.version(m, 0) for m in range(3)] == [None, 3, 1]  # learner 0's went in turn
+    assert copies.stats()["dropped"] == 2 and copies.stats()["bytes"] == 2048
+    copies.forget(2)  # retired
+    assert copies.stats()["bytes"] == 1024 and copies.stats()["copies"] == 1
+    lone = Copies("int8", 128, 100)  # smaller than one copy: the newest one is still kept
+    lone.set(0, 0, 1, theta)
+    assert lone.version(0, 0) == 1 and lone.stats()["bytes"] == 1024
 
 
 def test_a_delta_spanning_versions_needs_its_base(tiny_run):

@@ -196,37 +196,63 @@ def test_delta_publish_with_latency_survives_a_store_restart(ray_cluster, cfg_fo
         h.stop()
 
 
-def test_failing_commits_are_reported_survived_and_end_the_run_when_they_last(ray_cluster, cfg_for, tmp_path):
-    """The store's commit log made unwritable (its directory replaced by a file, as a full or
-    read-only disk would fail every write): the errors reach `status()`; merging resumes when the
-    directory is back; when it stays unwritable past `store.fail_after_s` the run ends on its own
-    with that error in ``summary.json``: it never hangs."""
-    from actors.launch import start
+def _break_log(run_dir):
+    """Replaces the store's commit log directory by a file (as a full or read-only disk would fail
+    every write); returns the function that puts it back."""
+    wal, away = run_dir / "store" / "wal", run_dir / "wal-away"
+    wal.rename(away)
+    wal.write_text("not a directory")
 
-    # 25 s: from the first failed commit to the driver seeing a merge again takes the driver's
-    # drain and evaluation cycle plus this test's polling, several seconds on 2 loaded cores (with
-    # 8 s the run once ended before the log was back, in CI)
-    h = start(cfg_for("learners.count=2", "budget.seconds=600", "store.fail_after_s=25"), run_dir=tmp_path)
-    wal, away = tmp_path / "store" / "wal", tmp_path / "wal-away"
-
-    def break_log():
-        wal.rename(away)
-        wal.write_text("not a directory")
-
-    try:
-        wait_for(lambda: len(merges(h)) >= 3)
-        break_log()
-        wait_for(lambda: h.status()["errors"].get("syncer_error"), timeout=60)
+    def mend():
         wal.unlink()
         away.rename(wal)
-        n = len(merges(h))
-        wait_for(lambda: len(merges(h)) >= n + 3 or h.status()["error"], timeout=60)  # carries on
-        assert h.status()["error"] is None  # once commits succeed
-        break_log()
+
+    return mend
+
+
+def _since(h, t):
+    """What happened after t, for a failure message: events by kind, and the newest error."""
+    kinds: dict[str, int] = {}
+    for e in h.metrics():
+        if e["time"] >= t:
+            kinds[e["event"]] = kinds.get(e["event"], 0) + 1
+    return f"events since: {kinds}; status: {h.status()}"
+
+
+def test_failing_commits_are_reported_and_merging_resumes_when_the_disk_is_back(ray_cluster, cfg_for, tmp_path):
+    """The store's commit log made unwritable: the syncer's failed commits reach `status()`; once
+    the directory is back, merging carries on and the run has no error."""
+    from actors.launch import start
+
+    h = start(cfg_for("learners.count=2", "budget.seconds=600"), run_dir=tmp_path)
+    try:
+        wait_for(lambda: len(merges(h)) >= 3)
+        broken_at = time.time()
+        mend = _break_log(tmp_path)
+        wait_for(lambda: h.status()["errors"].get("syncer_error"), timeout=60)
+        mend()
+        mended_at = time.time()
+        # carries on once commits succeed (a merge newer than the repair: none is logged meanwhile)
+        if not wait_for(lambda: merges(h, after=mended_at), timeout=120, fail=False):
+            raise AssertionError(f"no merge after the log was back; {_since(h, broken_at)}")
+        assert h.status()["error"] is None and h.status()["last_error"].startswith("RayTaskError(NotADirectoryError")
+    finally:
+        h.stop()
+
+
+def test_commits_failing_past_fail_after_s_end_the_run_with_that_error(ray_cluster, cfg_for, tmp_path):
+    """The commit log stays unwritable past `store.fail_after_s`: the run ends on its own with that
+    error in ``summary.json``: it never hangs."""
+    from actors.launch import start
+
+    h = start(cfg_for("learners.count=2", "budget.seconds=600", "store.fail_after_s=8"), run_dir=tmp_path)
+    try:
+        wait_for(lambda: len(merges(h)) >= 3)
+        _break_log(tmp_path)
         broken_at = time.time()
         summary = h.wait(timeout=180)
-        assert summary is not None and h.status()["done"]
-        assert summary["error"].startswith("commits have failed for") and "store.fail_after_s=25" in summary["error"]
+        assert summary is not None and h.status()["done"], _since(h, broken_at)
+        assert summary["error"].startswith("commits have failed for") and "store.fail_after_s=8" in summary["error"]
         assert time.time() - broken_at < 120  # ended by the supervisor, not by the budget (600 s)
         assert summary["errors"]["syncer_error"] >= 2
         on_disk = json.loads((tmp_path / "summary.json").read_text())

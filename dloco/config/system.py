@@ -111,6 +111,9 @@ class StoreConfig:
     `fail_after_s`: commits that keep failing (a full or read-only disk, a store that cannot
     write) for this long, with no commit succeeding meanwhile, end the run with that error;
     shorter outages are reported and the run carries on once commits succeed again.
+    `copies_mb`: the most memory the store spends on what each learner holds (the per-learner
+    copies of `compression.publish: delta` with `learner.install: own`); past it, the least
+    recently used are dropped and their learners sent their next version in full.
     """
 
     snapshot_every: int = 8
@@ -118,10 +121,11 @@ class StoreConfig:
     long_poll_s: float = 30.0
     object_store_mb: int = 512
     fail_after_s: float = 300.0
+    copies_mb: int = 2048
 
     def __post_init__(self) -> None:
         _finite("store", self)
-        _positive("store", self, "snapshot_every", "keep", "long_poll_s", "fail_after_s")
+        _positive("store", self, "snapshot_every", "keep", "long_poll_s", "fail_after_s", "copies_mb")
         _check(
             self.object_store_mb >= 80, "store.object_store_mb", self.object_store_mb, "must be >= 80 (Ray's minimum)"
         )

@@ -57,7 +57,7 @@ class StoreService:
         )
         c = cfg.compression
         self.per_learner = cfg.learner.install == "own" and c.publish == "delta"
-        self.copies = publish.Copies(c.publish_dtype, c.block)
+        self.copies = publish.Copies(c.publish_dtype, c.block, cfg.store.copies_mb << 20)
         self.sessions: dict[int, _Session] = {}
         self._deltas: dict[int, tuple[int, Any]] = {}  # p → (version, ref of the syncer's q), put once
         self._full: dict[int, tuple[int, Any]] = {}  # p → (version, ref of Θ̂_p): for learners behind a delta
@@ -244,7 +244,7 @@ class StoreService:
 
     def summary(self) -> dict:
         with self.lock:
-            return self.core.summary()
+            return {**self.core.summary(), "copies": self.copies.stats()}
 
     def drain_events(self) -> list[dict]:
         with self.lock:
