@@ -1,5 +1,6 @@
-"""The ``dloco`` command: ``dloco train [--config FILE] [--set a.b=c ...] [--address ADDR] [--run-dir DIR]``
-and ``dloco plot RUN_DIR [RUN_DIR ...] [--out DIR]``.
+"""The ``dloco`` command: ``dloco train [--config FILE] [--set a.b=c ...] [--address ADDR] [--run-dir DIR]``,
+``dloco plot RUN_DIR [RUN_DIR ...] [--out DIR]``, ``dloco export RUN_DIR --out DIR [--format
+safetensors|orbax] [--snapshot N]`` and ``dloco eval RUN_DIR_OR_EXPORT [--data SOURCE]``.
 
 With no arguments it trains the `tiny` preset with 4 learners on the built-in `stdlib` corpus on
 a local Ray cluster (started and stopped by the command), shows progress, and ends with a table.
@@ -127,6 +128,39 @@ def plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_cmd(args: argparse.Namespace) -> int:
+    """Writes a run's global model to --out; 2 on bad input."""
+    from dloco import export
+
+    try:
+        meta = export.export(args.run_dir, args.out, args.format, args.snapshot)
+    except _expected() as e:
+        print(_message(e), file=sys.stderr)
+        return 2
+    print(
+        f"wrote {args.out} ({meta['format']}, {meta['parameters']:,} parameters, "
+        f"fragment versions {meta['versions']}, from {meta['source']})"
+    )
+    return 0
+
+
+def eval_cmd(args: argparse.Namespace) -> int:
+    """Validation loss and perplexity of a run's or an export's model on a corpus; 2 on bad input."""
+    from dloco import export
+
+    try:
+        m = export.load(args.path, args.snapshot)
+        r = export.evaluate(m, args.data or m.cfg.data.source, batches=args.batches, batch_size=args.batch_size)
+    except _expected() as e:
+        print(_message(e), file=sys.stderr)
+        return 2
+    print(f"model       {r['model']}")
+    print(f"data        {r['source']} ({r['documents']:,} documents, {r['tokens']:,} tokens evaluated)")
+    print(f"loss        {r['loss']:.4f} nats/token")
+    print(f"perplexity  {r['perplexity']:.3f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dloco", description="Decoupled DiLoCo on Ray.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -140,11 +174,23 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plot", help="PNG figures of one or more run directories (metrics.jsonl)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
     p.add_argument("--out", help="output directory (default: RUN_DIR/plots; for several runs, their parent's plots/)")
+    x = sub.add_parser("export", help="write a run's global model as safetensors or an Orbax checkpoint")
+    x.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (running or finished)")
+    x.add_argument("--out", required=True, help="a new (or empty) directory for the export")
+    x.add_argument("--format", default="safetensors", help="safetensors (default) or orbax")
+    x.add_argument("--snapshot", type=int, help="the state after this many commits (a kept snapshot); default: newest")
+    e = sub.add_parser("eval", help="validation loss and perplexity of a run's or an export's model")
+    e.add_argument("path", metavar="RUN_DIR_OR_EXPORT")
+    e.add_argument("--data", help="corpus source: stdlib | shakespeare | text:GLOB | parquet:GLOB (default: the run's)")
+    e.add_argument("--batches", type=int, default=32, help="batches evaluated (default 32)")
+    e.add_argument("--batch-size", type=int, default=16, help="sequences per batch (default 16)")
+    e.add_argument("--snapshot", type=int, help="of a run directory: the state after this many commits")
     args = ap.parse_args(argv)
     from dloco.config import ConfigError
 
+    commands = {"plot": plot, "train": train, "export": export_cmd, "eval": eval_cmd}
     try:
-        return plot(args) if args.command == "plot" else train(args)
+        return commands[args.command](args)
     except ConfigError as e:
         print(f"dloco: config error: {e}", file=sys.stderr)
     except (FileNotFoundError, FileExistsError, ConnectionError) as e:

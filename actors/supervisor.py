@@ -66,10 +66,7 @@ class RunHandle:
         self.faults = FaultInjector(cfg, self.started, self._actors, self._record)
 
         opts = {
-            "namespace": self.namespace,
-            "max_restarts": -1,
-            "max_task_retries": -1,
-            "num_cpus": 0,
+            **{"namespace": self.namespace, "max_restarts": -1, "max_task_retries": -1, "num_cpus": 0},
             # On the head node, with the driver: the run directory (metrics, store snapshots) is
             # the head's, so a restarted store finds its snapshots without a shared filesystem.
             "resources": {"node:__internal_head__": 0.001},
@@ -144,10 +141,10 @@ class RunHandle:
         """Learner m stays alive but silent (no steps, pushes or mail) for `seconds`."""
         self.faults.fault(f"learner-{m}", "freeze", seconds)
 
-    def kill_store(self) -> None:
+    def kill_store(self) -> None:  # as a preemption would: Ray restarts it, it restores from its run dir
         self.faults.fault("store", "kill")
 
-    def kill_syncer(self) -> None:
+    def kill_syncer(self) -> None:  # Ray restarts it; it rebuilds from the store
         self.faults.fault("syncer", "kill")
 
     def add_learners(self, n: int) -> list[int]:
@@ -160,11 +157,14 @@ class RunHandle:
         return list(range(first, first + n))
 
     # ---- watching ----------------------------------------------------------------------------
+    def params(self, timeout: float | None = 120.0) -> dict:
+        """The global model Θ now, the model's tree of float32 arrays (``GetTimeoutError`` if the store does not
+        answer within `timeout`, e.g. while it restarts)."""
+        return self._bp.plan.join(ray.get(self.store.fragments.remote(), timeout=timeout)[1])
+
     def evaluate(self, timeout: float | None = 120.0) -> float:
-        """Validation loss of the current global model (fragments fetched from the store; raises
-        ``GetTimeoutError`` if the store does not answer within `timeout`, e.g. while it restarts)."""
-        _, frs = ray.get(self.store.fragments.remote(), timeout=timeout)
-        params = inner.replicate(self._bp.plan.join(frs), self._mesh)
+        """Validation loss of the current global model (`params`)."""
+        params = inner.replicate(self.params(timeout), self._mesh)
         return inner.evaluate(self._eval, params, self._eval_set, self._mesh)
 
     def status(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
-"""docs/RESULTS.md from the benchmarks' JSON: quality, wire accounting and the emulated WAN.
+"""docs/RESULTS.md from the benchmarks' JSON: quality, wire accounting, the emulated WAN and the soak.
 
-Reads benchmarks/results/{quality,bandwidth,wan}.json (written by quality.py, bandwidth.py and
-wan.py; a missing file leaves its section saying which command produces it) and writes one
+Reads benchmarks/results/{quality,bandwidth,wan,soak}.json (written by quality.py, bandwidth.py,
+wan.py and soak.py; a missing file leaves its section saying which command produces it) and writes one
 Markdown file: the summary of what the numbers say (each "matches the paper" line is computed from
 the rows, not written by hand), every table with its config hashes, the exact commands, and the
 quality figure (copied next to the Markdown).
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "docs/RESULTS.md"))
     a = ap.parse_args(argv)
     res, out = Path(a.results), Path(a.out)
-    qd, bw, wan = (load(res / f"{n}.json") for n in ("quality", "bandwidth", "wan"))
+    qd, bw, wan, soak = (load(res / f"{n}.json") for n in ("quality", "bandwidth", "wan", "soak"))
     q = Quality(qd) if qd else None
     lines = [
         "# Results",
@@ -509,6 +509,19 @@ def main(argv: list[str] | None = None) -> int:
                     "run's start, with Ray and JAX start-up."
                 )
             )
+        )
+    if soak:
+        rows = soak["rows"]
+        kills = ", ".join(
+            f"{r['algorithm']} {r['faults']['learner_kills']} learner, {r['faults']['syncer_kills']} syncer and "
+            f"{r['faults']['store_kills']} store kills"
+            for r in rows
+        )
+        lines.append(
+            f"- **Chaos soak** ({soak['wall_s'] / 60:.0f} min on a local Ray cluster: {kills}): "
+            f"{sum(r['versions']['lost'] for r in rows)} versions lost, "
+            f"{'no' if all(r['checks']['0 NaN'] for r in rows) else 'some'} NaN, "
+            + ("every check passed." if soak["passed"] else "CHECKS FAILED (see its section).")
         )
     lines.append("")
     if q:
@@ -551,6 +564,12 @@ def main(argv: list[str] | None = None) -> int:
         lines += [wan_mod.report(wan), ""]
     else:
         lines += ["## Emulated multi-region link", "", "Not run: `sudo python benchmarks/wan.py`.", ""]
+    if soak:
+        import soak as soak_mod
+
+        lines += [soak_mod.report(soak), ""]
+    else:
+        lines += ["## Chaos soak", "", "Not run: `python benchmarks/soak.py`.", ""]
     lines += gpu_section(res / "gpu", load(res / "learner_overhead.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))

@@ -44,10 +44,16 @@ def corpus(cfg: RunConfig) -> data.Corpus:
 
 
 def blueprint(cfg: RunConfig) -> Blueprint:
-    """Corpus, model, plan and the initial parameters from `jax.random.PRNGKey(cfg.seed)`."""
+    """Corpus, model, plan and the initial parameters: from `jax.random.PRNGKey(cfg.seed)`, or the
+    weights `model.init_from` names."""
     c = corpus(cfg)
     m = model.build(cfg.model, c.vocab_size)
-    params = model.init_params(m, cfg.seed, cfg.data.seq_len)
+    if cfg.model.init_from:
+        from dloco.export import initial_params
+
+        params = initial_params(cfg.model.init_from, cfg, c.vocab_size, cfg.data.seq_len)
+    else:
+        params = model.init_params(m, cfg.seed, cfg.data.seq_len)
     plan = partition(params, cfg.fragments.count)
     return Blueprint(c, m, plan, tuple(plan.split(params)))
 

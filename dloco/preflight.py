@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 
-from dloco import build, data, durable, model, outer
+from dloco import build, data, durable, export, model, outer
 from dloco.config import ConfigError, LearnerGroup, RunConfig, from_dict
 from dloco.fragments import flatten, partition
 
@@ -63,6 +63,8 @@ def check(cfg: RunConfig, run_dir: str | os.PathLike, resume: bool = False, *, l
     _check_run_dir(path, resume)
     check_data(cfg, corpus := _corpus(cfg))
     check_memory(cfg, fp := fingerprint(cfg, corpus), local)
+    if cfg.model.init_from and not resume:  # readable, and of this model (ValueError, OSError: one line)
+        export.initial_params(cfg.model.init_from, cfg, corpus.vocab_size, cfg.data.seq_len)
     if resume:
         compare(_run_fingerprint(path), fp, path)
     return Preflight(path, resume, corpus, fp)

@@ -27,6 +27,7 @@ commit can be retried safely after a store restart.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -122,6 +123,36 @@ def _load_fragment(path: Path) -> _Fragment:
 def _registry(state: dict) -> tuple[dict[int, int], set[int]]:
     """(registry, retired) of a ``registry.json`` or snapshot meta."""
     return {int(k): int(v) for k, v in state["registry"].items()}, {int(m) for m in state["retired"]}
+
+
+def read_global(root: str | os.PathLike, count: int, snapshot: int | None = None) -> tuple[list, list, str]:
+    """The global model a store directory holds, read only (no lock, nothing moved: a running
+    store may write beside it): (versions, Θ_p per fragment: None for one never committed, which
+    is Θ_p⁰, where from). The newest snapshot that
+    verifies, then each fragment's newest log file that verifies, if newer; with `snapshot`, that
+    snapshot (``snap-<snapshot>``, the state after that many commits) alone. Raises
+    `FileNotFoundError` naming what is there when nothing (or not that snapshot) verifies."""
+    root, source = Path(root), ""
+    frs: list[_Fragment | None] = [None] * count
+    snaps = [(n, p) for (n,), p in durable.numbered(root, _SNAP) if p.is_dir()]
+    for _, snap in reversed([(n, p) for n, p in snaps if snapshot in (None, n)]):
+        with contextlib.suppress(CorruptFileError):
+            frs, source = list(_load_fragment(snap / f"p{p:03d}.npz") for p in range(count)), snap.name
+            break
+    if snapshot is not None and not source:
+        raise FileNotFoundError(f"{root}: no intact snapshot after {snapshot} commits (kept: {[n for n, _ in snaps]})")
+    log = durable.numbered(root / "wal", _WAL) if snapshot is None and (root / "wal").is_dir() else []
+    for p in range(count):
+        for (_, v), path in reversed([e for e in log if e[0][0] == p]):
+            held = frs[p]
+            if held is not None and v <= held.version:
+                break
+            with contextlib.suppress(CorruptFileError):
+                frs[p], source = _load_fragment(path), source or "log"
+                break
+    if all(f is None for f in frs):
+        raise FileNotFoundError(f"{root}: no commit to read (is it a run's store directory, and has it merged?)")
+    return [0 if f is None else f.version for f in frs], [None if f is None else f.values for f in frs], source
 
 
 class StoreCore:

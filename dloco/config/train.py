@@ -15,7 +15,9 @@ NORM_WINDOW = 64
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only transformer LM. `vocab_size=0` takes the tokenizer's vocabulary size."""
+    """Decoder-only transformer LM. `vocab_size=0` takes the tokenizer's vocabulary size.
+    `init_from`: start from these weights (a `dloco export` directory, or a run directory's
+    newest global model) instead of a random init; they must be of this model."""
 
     d_model: int = 128
     n_layers: int = 2
@@ -23,6 +25,7 @@ class ModelConfig:
     mlp_ratio: int = 4
     vocab_size: int = 0
     rope_base: float = 10000.0
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         _finite("model", self)
@@ -163,7 +166,7 @@ class SyncerConfig:
     max_grace_steps: float = 1.0
     max_staleness: int = 8
     max_norm_ratio: float = 10.0
-    norm_warmup: int = 8
+    norm_warmup: int = 8  # 0: no warm-up bound; a fragment's first push is then checked at commit only
     ema_decay: float = 0.9
     elastic_timeout_s: float = 2.0  # elastic_dp: wait this long for a missing learner, then drop it
 
