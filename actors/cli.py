@@ -181,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--snapshot", type=int, help="the state after this many commits (a kept snapshot); default: newest")
     e = sub.add_parser("eval", help="validation loss and perplexity of a run's or an export's model")
     e.add_argument("path", metavar="RUN_DIR_OR_EXPORT")
-    e.add_argument("--data", help="corpus source: stdlib | shakespeare | text:GLOB | parquet:GLOB (default: the run's)")
+    e.add_argument(
+        "--data",
+        help="corpus source: stdlib | shakespeare | text:GLOB | jsonl:GLOB | parquet:GLOB (default: the run's)",
+    )
     e.add_argument("--batches", type=int, default=32, help="batches evaluated (default 32)")
     e.add_argument("--batch-size", type=int, default=16, help="sequences per batch (default 16)")
     e.add_argument("--snapshot", type=int, help="of a run directory: the state after this many commits")

@@ -40,6 +40,7 @@ def corpus(cfg: RunConfig) -> data.Corpus:
         val_fraction=d.val_fraction,
         max_bytes=d.max_bytes,
         cache_dir=Path(d.cache_dir).expanduser(),
+        text_field=d.text_field,
     )
 
 

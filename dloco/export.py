@@ -179,12 +179,13 @@ def initial_params(path: str | os.PathLike, cfg: RunConfig, vocab_size: int, seq
 
 def evaluate(m: Exported, source: str, *, batches: int = 32, batch_size: int = 16, max_bytes: int = 0) -> dict:
     """Next-token loss (nats per token) and perplexity of `m` on the documents of `source` (any
-    corpus source: stdlib, shakespeare, text:GLOB, parquet:GLOB), tokenized with `m`'s tokenizer,
-    each ending in EOS, over the first `batches` × `batch_size` windows of the model's seq_len."""
+    corpus source: stdlib, shakespeare, text:GLOB, jsonl:GLOB, parquet:GLOB, with the run's data.text_field),
+    tokenized with `m`'s tokenizer, each ending in EOS, over the first `batches` × `batch_size`
+    windows of the model's seq_len."""
     from dloco import inner
     from dloco.data import eval_batches, read_documents
 
-    docs = read_documents(source, max_bytes)
+    docs = read_documents(source, max_bytes, m.cfg.data.text_field)
     tok = None
     ids = []
     for _, content in docs:

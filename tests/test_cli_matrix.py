@@ -119,7 +119,7 @@ CASES = [
     (
         "parquet_without_text",
         lambda d: sets(f"data.source=parquet:{d}/pq/*.parquet"),
-        "a.parquet: needs a 'text' or 'tokens' column",
+        "a.parquet: needs a 'text' (data.text_field) or 'tokens' column",
     ),
     ("max_bytes_tiny", lambda d: sets("data.max_bytes=10"), "data.max_bytes=10: max_bytes=10 is smaller"),
     ("one_file_corpus", lambda d: sets(f"data.source=text:{d}/one/*.txt"), "the validation split"),

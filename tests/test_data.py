@@ -3,6 +3,7 @@
 import hashlib
 import importlib.util
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -91,6 +92,36 @@ def test_parquet_text_column(tmp_path):
     assert sorted(corpus.doc_ids("train") + corpus.doc_ids("val")) == sorted(ids)
     for split in ("train", "val"):
         np.testing.assert_array_equal(corpus.load_split(split), _expected_split(corpus, split, ids))
+
+
+def test_jsonl_documents_from_a_configurable_field_and_parquet_from_a_named_column(tmp_path):
+    rows = [{"body": "ab", "id": 1}, {"body": "c"}, {"body": "xyz", "text": "ignored"}]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n")  # a blank line
+    (tmp_path / "b.jsonl").write_text(json.dumps(rows[2]) + "\n")
+    corpus = prepare_corpus(f"jsonl:{tmp_path}/*.jsonl", cache_dir=tmp_path / "cache", text_field="body")
+    ids = {"a.jsonl#1": [97, 98, 256], "a.jsonl#2": [99, 256], "b.jsonl#1": [120, 121, 122, 256]}
+    assert sorted(corpus.doc_ids("train") + corpus.doc_ids("val")) == sorted(ids)
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(corpus.load_split(split), _expected_split(corpus, split, ids))
+    pq.write_table(pa.table({"body": ["ab", "c", "xyz"], "text": ["1", "2", "3"]}), tmp_path / "p.parquet")
+    docs = data.read_documents(f"parquet:{tmp_path}/*.parquet", text_field="body")
+    assert docs == [("p.parquet#0", b"ab"), ("p.parquet#1", b"c"), ("p.parquet#2", b"xyz")]
+    assert data.read_documents(f"parquet:{tmp_path}/*.parquet")[0] == ("p.parquet#0", b"1")  # the default field
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("not json", "bad.jsonl line 2: not a JSON object"),
+        ("[1, 2]", "bad.jsonl line 2: not a JSON object"),
+        ('{"other": "x"}', "bad.jsonl line 2: field 'text' is missing, not a string (data.text_field)"),
+        ('{"text": 3}', "bad.jsonl line 2: field 'text' is int, not a string"),
+    ],
+)
+def test_a_bad_jsonl_line_is_named(tmp_path, line, message):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        data.read_documents(f"jsonl:{tmp_path}/*.jsonl")
 
 
 def test_parquet_tokens_column_skips_tokenizer(tmp_path):
@@ -278,7 +309,7 @@ def test_missing_and_bad_sources(tmp_path):
     with pytest.raises(ValueError, match="val_fraction"):
         prepare_corpus("stdlib", val_fraction=1.0, cache_dir=tmp_path)
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "bad.parquet")
-    with pytest.raises(ValueError, match="'text' or 'tokens'"):
+    with pytest.raises(ValueError, match=r"'text' \(data.text_field\) or 'tokens'"):
         prepare_corpus(f"parquet:{tmp_path}/*.parquet", cache_dir=tmp_path / "cache")
 
 

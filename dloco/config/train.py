@@ -41,9 +41,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Corpus, tokenizer and windows. `source`: stdlib | shakespeare | text:GLOB | parquet:GLOB."""
+    """Corpus, tokenizer and windows. `source`: stdlib | shakespeare | text:GLOB | jsonl:GLOB |
+    parquet:GLOB; `text_field`: the JSON field or Parquet column holding a document's text."""
 
     source: str = "stdlib"
+    text_field: str = "text"
     tokenizer: str = "byte"
     vocab_size: int = 4096  # BPE only
     seq_len: int = 128
@@ -57,11 +59,12 @@ class DataConfig:
     def __post_init__(self) -> None:
         _finite("data", self)
         _check(
-            self.source in ("stdlib", "shakespeare") or self.source.startswith(("text:", "parquet:")),
+            self.source in ("stdlib", "shakespeare") or self.source.startswith(("text:", "jsonl:", "parquet:")),
             "data.source",
             self.source,
-            "must be stdlib, shakespeare, text:GLOB or parquet:GLOB",
+            "must be stdlib, shakespeare, text:GLOB, jsonl:GLOB or parquet:GLOB",
         )
+        _check(bool(self.text_field.strip()), "data.text_field", self.text_field, "must name a field, e.g. text")
         _choice("data", self, "tokenizer", ("byte", "bpe"))
         _check(self.vocab_size >= 260, "data.vocab_size", self.vocab_size, "must be >= 260 (BPE over bytes)")
         _positive("data", self, "seq_len", "eval_batches", "eval_batch_size", "shards")

@@ -148,6 +148,7 @@ def prepare_corpus(
     val_fraction: float = 0.05,
     max_bytes: int = 0,
     cache_dir: str | os.PathLike,
+    text_field: str = "text",
 ) -> Corpus:
     """Reads, splits, tokenizes and caches a corpus; returns the cached one if present.
 
@@ -166,6 +167,8 @@ def prepare_corpus(
       val_fraction: expected fraction of documents in validation, in ``[0, 1)``.
       max_bytes: corpus size limit, 0 for none (see :func:`read_documents`).
       cache_dir: directory holding one ``<key[:16]>`` subdirectory per corpus.
+      text_field: the JSON field or Parquet column of a document's text (see :func:`read_documents`;
+        the key covers every document's content, so another field is another corpus).
 
     Returns:
       The :class:`Corpus`; ``cached`` is True when nothing was tokenized.
@@ -179,7 +182,7 @@ def prepare_corpus(
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0 (0 = no limit), got {max_bytes}")
-    docs = read_documents(source, max_bytes)
+    docs = read_documents(source, max_bytes, text_field)
     pretokenized = isinstance(docs[0][1], np.ndarray)
     if tokenizer == "bpe" and not pretokenized and vocab_size is None:
         vocab_size = DEFAULT_BPE_VOCAB_SIZE

@@ -1,9 +1,13 @@
-"""Corpus sources: the documents of ``stdlib``, ``shakespeare``, ``text:GLOB`` or ``parquet:GLOB``."""
+"""Corpus sources: the documents of ``stdlib``, ``shakespeare``, ``text:GLOB``, ``jsonl:GLOB`` or
+``parquet:GLOB``. A JSON Lines file holds one document per line, its text in the field
+``text_field`` (``data.text_field``, default ``text``); a Parquet file one per row, in the column
+``text_field`` or, pre-tokenized, ``tokens``."""
 
 from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -12,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-_SOURCE_FORMS = '"stdlib", "shakespeare", "text:GLOB" or "parquet:GLOB"'
+_SOURCE_FORMS = '"stdlib", "shakespeare", "text:GLOB", "jsonl:GLOB" or "parquet:GLOB"'
 _STDLIB_SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "lib2to3", "__pycache__"}
 )
@@ -66,23 +70,42 @@ def _iter_text(paths: list[str], root: str) -> Iterator[_Doc]:
         yield Path(os.path.relpath(path, root)).as_posix(), text.encode("utf-8")
 
 
-def _iter_parquet(paths: list[str], root: str) -> Iterator[_Doc]:
+def _iter_jsonl(paths: list[str], root: str, field: str) -> Iterator[_Doc]:
+    for path in paths:
+        rel = Path(os.path.relpath(path, root)).as_posix()
+        with open(path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line).get(field)
+                except (ValueError, AttributeError):
+                    raise ValueError(f"{path} line {n}: not a JSON object") from None
+                if not isinstance(value, str):
+                    got = "missing" if value is None else type(value).__name__
+                    raise ValueError(f"{path} line {n}: field {field!r} is {got}, not a string (data.text_field)")
+                yield f"{rel}#{n}", value.encode("utf-8", errors="replace")
+
+
+def _iter_parquet(paths: list[str], root: str, field: str = "text") -> Iterator[_Doc]:
     first_column = None
     for path in paths:
         names = pq.read_schema(path).names
-        column = "tokens" if "tokens" in names else "text" if "text" in names else None
+        column = "tokens" if "tokens" in names else field if field in names else None
         if column is None:
-            raise ValueError(f"{path}: needs a 'text' or 'tokens' column, has {names}")
+            raise ValueError(f"{path}: needs a {field!r} (data.text_field) or 'tokens' column, has {names}")
         if first_column not in (None, column):
             raise ValueError(f"{path}: has {column!r} but earlier files had {first_column!r}")
         first_column = column
         rel = Path(os.path.relpath(path, root)).as_posix()
         values = pq.read_table(path, columns=[column]).column(column)
         values = values.to_numpy(zero_copy_only=False) if column == "tokens" else values.to_pylist()
+        if column != "tokens" and values and not all(isinstance(v, str) for v in values if v is not None):
+            raise ValueError(f"{path}: column {column!r} is not text (data.text_field)")
         for row, value in enumerate(values):
             if value is None:
                 raise ValueError(f"{path} row {row}: {column!r} is null")
-            if column == "text":
+            if column != "tokens":
                 yield f"{rel}#{row}", value.encode("utf-8", errors="replace")
                 continue
             tokens = np.asarray(value, dtype=np.int64)
@@ -91,13 +114,14 @@ def _iter_parquet(paths: list[str], root: str) -> Iterator[_Doc]:
             yield f"{rel}#{row}", tokens
 
 
-def read_documents(source: str, max_bytes: int = 0) -> list[_Doc]:
+def read_documents(source: str, max_bytes: int = 0, text_field: str = "text") -> list[_Doc]:
     """Reads the documents of ``source`` in sorted order.
 
     Args:
-      source: ``"stdlib"``, ``"shakespeare"``, ``"text:GLOB"`` or ``"parquet:GLOB"``.
+      source: ``"stdlib"``, ``"shakespeare"``, ``"text:GLOB"``, ``"jsonl:GLOB"`` or ``"parquet:GLOB"``.
       max_bytes: if positive, documents are taken in order while their total size stays
         ``<= max_bytes`` (size is UTF-8 bytes, or tokens for pre-tokenized documents).
+      text_field: the JSON field, or Parquet column, that holds a document's text.
 
     Returns:
       ``(name, content)`` pairs; content is UTF-8 bytes, or int64 ids for a ``tokens`` column.
@@ -111,7 +135,7 @@ def read_documents(source: str, max_bytes: int = 0) -> list[_Doc]:
         paths, root = _stdlib_paths()
     elif source == "shakespeare":
         paths, root = _shakespeare_paths()
-    elif sep and pattern and kind in ("text", "parquet"):
+    elif sep and pattern and kind in ("text", "jsonl", "parquet"):
         paths, root = _glob_paths(pattern)
     else:
         raise ValueError(f"unknown corpus source {source!r}; expected {_SOURCE_FORMS}")
@@ -119,7 +143,11 @@ def read_documents(source: str, max_bytes: int = 0) -> list[_Doc]:
         raise FileNotFoundError(f"corpus source {source!r} matches no files")
     docs: list[_Doc] = []
     total = 0
-    for name, content in (_iter_parquet if kind == "parquet" else _iter_text)(paths, root):
+    if kind == "parquet":
+        docs_of = _iter_parquet(paths, root, text_field)
+    else:
+        docs_of = _iter_jsonl(paths, root, text_field) if kind == "jsonl" else _iter_text(paths, root)
+    for name, content in docs_of:
         if max_bytes and total + len(content) > max_bytes:
             if not docs:
                 raise ValueError(
