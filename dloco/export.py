@@ -113,7 +113,7 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, snapsho
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save((out / "orbax").absolute(), m.params)
     (out / "config.json").write_text(json.dumps(m.cfg.to_dict(), indent=2))
-    if m.tokenizer_file is not None and m.cfg.data.tokenizer == "bpe":
+    if m.tokenizer_file is not None and m.cfg.data.tokenizer != "byte":
         shutil.copy(m.tokenizer_file, out / "tokenizer.json")
     meta = {
         "format": fmt,

@@ -47,6 +47,8 @@ def inputs(tmp_path):
     rows = [[(7 * r + i) % 300 for i in range(400)] for r in range(40)]  # ids 0..299: a vocabulary of 300
     pq.write_table(pa.table({"tokens": rows}), d / "tok" / "ids.parquet")
     (d / "afile").write_text("not a directory")
+    (d / "j").mkdir()
+    (d / "j" / "a.jsonl").write_text('{"body": "a document"}\n' * 4)
     return d
 
 
@@ -122,6 +124,15 @@ CASES = [
         "a.parquet: needs a 'text' (data.text_field) or 'tokens' column",
     ),
     ("max_bytes_tiny", lambda d: sets("data.max_bytes=10"), "data.max_bytes=10: max_bytes=10 is smaller"),
+    ("tokenizer_unknown", lambda d: sets("data.tokenizer=wordpiece"), "data.tokenizer='wordpiece'"),
+    ("tokenizer_file_missing", lambda d: sets(f"data.tokenizer=file:{d}/tok.json"), "tok.json: No such file"),
+    ("tokenizer_file_not_json", lambda d: sets(f"data.tokenizer=file:{d}/afile"), "afile: not a tokenizer.json"),
+    (
+        "jsonl_without_field",
+        lambda d: sets(f"data.source=jsonl:{d}/j/*.jsonl"),
+        "a.jsonl line 1: field 'text' is missing",
+    ),
+    ("init_from_missing", lambda d: sets(f"model.init_from={d}/nowhere"), "nowhere: not a run directory or an export"),
     ("one_file_corpus", lambda d: sets(f"data.source=text:{d}/one/*.txt"), "the validation split"),
     ("no_files", lambda d: sets(f"data.source=text:{d}/none/*.txt"), "matches no files"),
     ("seq_len_huge", lambda d: sets("data.seq_len=100000"), "data.seq_len=100000"),

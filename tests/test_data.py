@@ -348,3 +348,55 @@ def test_bpe_trains_saves_round_trips_and_reloads(tmp_path):
     np.testing.assert_array_equal(load_tokenizer(again).encode(text), ids)
     other = prepare_corpus(source, tokenizer="bpe", vocab_size=280, cache_dir=tmp_path / "cache")
     assert other.key != corpus.key and other.vocab_size == 280
+
+
+def _pretrained(path, eos="<|endoftext|>", texts=("alpha beta gamma delta " * 20,)):
+    """A small HF tokenizer.json as a pretrained one looks: its own EOS, a BOS its post-processor adds."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    specials = ["<s>", eos] if eos else ["<s>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    hf.train_from_iterator(list(texts), trainer=trainer)
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    hf.save(str(path))
+    return hf
+
+
+def test_a_pretrained_tokenizer_file_tokenizes_the_corpus_with_its_own_eos_and_no_bos(tmp_path):
+    hf = _pretrained(tmp_path / "tok.json")
+    source = _write_text_docs(tmp_path / "docs", {"a.txt": "alpha beta", "b.txt": "gamma delta gamma"})
+    corpus = prepare_corpus(source, tokenizer=f"file:{tmp_path / 'tok.json'}", cache_dir=tmp_path / "cache")
+    eos = hf.token_to_id("<|endoftext|>")
+    assert (corpus.tokenizer, corpus.eos_id, corpus.vocab_size) == ("bpe", eos, hf.get_vocab_size())
+    assert hf.encode("alpha beta").ids[0] == 0  # the file's post-processor adds BOS ...
+    texts = {"a.txt": "alpha beta", "b.txt": "gamma delta gamma"}
+    expected = {n: hf.encode(t, add_special_tokens=False).ids + [eos] for n, t in texts.items()}
+    for split in ("train", "val"):  # ... which a corpus does not get: documents are joined by EOS only
+        np.testing.assert_array_equal(corpus.load_split(split), _expected_split(corpus, split, expected))
+    assert load_tokenizer(corpus).encode("alpha beta", eos=True).tolist() == expected["a.txt"]
+    # the file's content, not its path, keys the corpus
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "tok.json").write_bytes((tmp_path / "tok.json").read_bytes())
+    same = prepare_corpus(source, tokenizer=f"file:{tmp_path / 'copy' / 'tok.json'}", cache_dir=tmp_path / "cache")
+    assert same.cached and same.key == corpus.key
+    _pretrained(tmp_path / "copy" / "tok.json", texts=("other words entirely " * 20,))
+    changed = prepare_corpus(source, tokenizer=f"file:{tmp_path / 'copy' / 'tok.json'}", cache_dir=tmp_path / "cache")
+    assert changed.key != corpus.key
+
+
+def test_a_pretrained_tokenizer_without_an_eos_or_file_is_refused(tmp_path):
+    _pretrained(tmp_path / "tok.json", eos=None)
+    source = _write_text_docs(tmp_path / "docs")
+    with pytest.raises(ValueError, match=r"no end-of-sequence token: none of <\|eos\|>, <\|endoftext\|>"):
+        prepare_corpus(source, tokenizer=f"file:{tmp_path / 'tok.json'}", cache_dir=tmp_path / "cache")
+    with pytest.raises(FileNotFoundError):
+        prepare_corpus(source, tokenizer=f"file:{tmp_path / 'none.json'}", cache_dir=tmp_path / "cache")

@@ -42,7 +42,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """Corpus, tokenizer and windows. `source`: stdlib | shakespeare | text:GLOB | jsonl:GLOB |
-    parquet:GLOB; `text_field`: the JSON field or Parquet column holding a document's text."""
+    parquet:GLOB; `text_field`: the JSON field or Parquet column holding a document's text;
+    `tokenizer`: byte | bpe (trained on the corpus, `vocab_size`) | file:PATH (a pretrained HF
+    tokenizer.json, whose EOS is the first of <|eos|>, <|endoftext|>, <|end_of_text|>, </s>, <eos>)."""
 
     source: str = "stdlib"
     text_field: str = "text"
@@ -65,7 +67,12 @@ class DataConfig:
             "must be stdlib, shakespeare, text:GLOB, jsonl:GLOB or parquet:GLOB",
         )
         _check(bool(self.text_field.strip()), "data.text_field", self.text_field, "must name a field, e.g. text")
-        _choice("data", self, "tokenizer", ("byte", "bpe"))
+        _check(
+            self.tokenizer in ("byte", "bpe") or (self.tokenizer.startswith("file:") and len(self.tokenizer) > 5),
+            "data.tokenizer",
+            self.tokenizer,
+            "must be byte, bpe (trained on the corpus) or file:PATH (a pretrained tokenizer.json)",
+        )
         _check(self.vocab_size >= 260, "data.vocab_size", self.vocab_size, "must be >= 260 (BPE over bytes)")
         _positive("data", self, "seq_len", "eval_batches", "eval_batch_size", "shards")
         _check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")

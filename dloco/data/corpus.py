@@ -161,7 +161,8 @@ def prepare_corpus(
 
     Args:
       source: see :func:`read_documents`.
-      tokenizer: ``"byte"`` or ``"bpe"``; ignored for a Parquet ``tokens`` column.
+      tokenizer: ``"byte"``, ``"bpe"`` (trained here on the train documents) or ``"file:PATH"``
+        (a pretrained HF ``tokenizer.json``, copied into the corpus); ignored for a ``tokens`` column.
       vocab_size: BPE vocabulary size (default 4096); for pre-tokenized documents an upper
         bound on the ids (default ``max id + 1``); unused for ``"byte"``.
       val_fraction: expected fraction of documents in validation, in ``[0, 1)``.
@@ -176,8 +177,12 @@ def prepare_corpus(
     Raises:
       ValueError: a bad argument. FileNotFoundError: the source has no files.
     """
-    if tokenizer not in ("byte", "bpe"):
-        raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {tokenizer!r}")
+    pretrained = None
+    if tokenizer.startswith("file:"):  # a pretrained tokenizer.json: the corpus is keyed by its content
+        pretrained = Path(tokenizer[5:]).expanduser().read_bytes()
+        Tokenizer.from_file(Path(tokenizer[5:]).expanduser())  # loads, and has an EOS (else ValueError)
+    elif tokenizer not in ("byte", "bpe"):
+        raise ValueError(f"tokenizer must be 'byte', 'bpe' or 'file:PATH' (a tokenizer.json), got {tokenizer!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if max_bytes < 0:
@@ -197,6 +202,9 @@ def prepare_corpus(
         "max_bytes": max_bytes,
         "vocab_size": None if tokenizer == "byte" and not pretokenized else vocab_size,
     }
+    if pretrained is not None and not pretokenized:  # its content, not its path, names the corpus
+        header["tokenizer"] = "file:" + hashlib.blake2b(pretrained, digest_size=16).hexdigest()
+        header["vocab_size"] = None
     h = hashlib.blake2b(json.dumps(header, sort_keys=True).encode(), digest_size=32)
     for (name, _), digest in zip(docs, digests, strict=True):
         encoded = name.encode("utf-8", errors="surrogatepass")
@@ -222,6 +230,9 @@ def prepare_corpus(
             texts = [cast(bytes, content).decode("utf-8") for _, content in docs]
             if tokenizer == "byte":
                 tok = Tokenizer.byte()
+            elif pretrained is not None:
+                (tmp / "tokenizer.json").write_bytes(pretrained)
+                tok = Tokenizer.from_file(tmp / "tokenizer.json")
             else:
                 assert vocab_size is not None  # set to DEFAULT_BPE_VOCAB_SIZE above
                 tok = _train_bpe([t for t, v in zip(texts, is_val, strict=True) if not v], vocab_size)
@@ -230,6 +241,8 @@ def prepare_corpus(
             vocab, eos_id = tok.vocab_size, tok.eos_id
         dtype = _token_dtype(vocab)
         meta = {"key": key, **header, "vocab_size": vocab, "eos_id": eos_id, "dtype": dtype.name}
+        if pretrained is not None and not pretokenized:
+            meta["tokenizer"], meta["pretrained"] = "bpe", header["tokenizer"]  # read back as tokenizer.json
         for split, mask in (("train", ~is_val), ("val", is_val)):
             index = np.flatnonzero(mask)
             names = [docs[i][0] for i in index]

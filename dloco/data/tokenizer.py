@@ -9,13 +9,17 @@ import numpy as np
 
 BYTE_EOS_ID = 256
 BPE_EOS_TOKEN = "<|eos|>"
+# what a pretrained tokenizer calls its end of sequence: the first of these it has is EOS
+EOS_TOKENS = (BPE_EOS_TOKEN, "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
 class Tokenizer:
     """Byte-level or BPE tokenizer with one end-of-sequence id.
 
     ``"byte"``: ids are the UTF-8 bytes 0..255 and EOS is 256 (``vocab_size`` 257).
-    ``"bpe"``: a HF ``tokenizers`` byte-level BPE model whose special token ``<|eos|>`` is EOS.
+    ``"bpe"``: a HF ``tokenizers`` model (ours: byte-level BPE) whose EOS is the first of
+    `EOS_TOKENS` it has (``<|eos|>`` in ours). Text is encoded without the model's own special
+    tokens (no BOS): documents are joined by EOS only.
     Build with :meth:`byte`, :meth:`from_file` or :func:`load_tokenizer`.
     """
 
@@ -27,9 +31,9 @@ class Tokenizer:
         if backend is not None:
             # Text that happens to contain "<|eos|>" is encoded as text, never as EOS.
             backend.encode_special_tokens = True
-            eos = backend.token_to_id(BPE_EOS_TOKEN)
+            eos = next((i for t in EOS_TOKENS if (i := backend.token_to_id(t)) is not None), None)
             if eos is None:
-                raise ValueError(f"BPE tokenizer has no {BPE_EOS_TOKEN!r} special token")
+                raise ValueError(f"the tokenizer has no end-of-sequence token: none of {', '.join(EOS_TOKENS)}")
             self.eos_id = int(eos)
             self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
         else:
@@ -43,10 +47,16 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Tokenizer:
-        """Loads a BPE tokenizer saved as ``tokenizer.json``."""
+        """Loads a tokenizer saved as ``tokenizer.json`` (ours, or a pretrained HF one)."""
         from tokenizers import Tokenizer as HFTokenizer
 
-        return cls("bpe", HFTokenizer.from_file(str(path)))
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the library raises a bare Exception for a file it cannot parse
+            if not os.path.isfile(path):
+                raise FileNotFoundError(2, "No such file", str(path)) from None
+            raise ValueError(f"{path}: not a tokenizer.json the tokenizers library reads ({e})") from None
+        return cls("bpe", backend)
 
     def encode(self, text: str, *, eos: bool = False) -> np.ndarray:
         """Encodes ``text`` to an int32 id array, appending EOS if ``eos``."""
@@ -54,7 +64,7 @@ class Tokenizer:
             ids = np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
             ids = ids.astype(np.int32)
         else:
-            ids = np.asarray(self._backend.encode(text).ids, dtype=np.int32)
+            ids = np.asarray(self._backend.encode(text, add_special_tokens=False).ids, dtype=np.int32)
         return np.append(ids, np.int32(self.eos_id)) if eos else ids
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
@@ -71,7 +81,7 @@ class Tokenizer:
         """Encodes each text with EOS appended (batched for BPE)."""
         if self._backend is None:
             return [self.encode(t, eos=True) for t in texts]
-        encodings = self._backend.encode_batch(texts)
+        encodings = self._backend.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids + [self.eos_id], dtype=np.int32) for e in encodings]
 
 
