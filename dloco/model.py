@@ -1,8 +1,13 @@
-"""A decoder-only transformer language model (Flax linen).
+"""A decoder-only transformer language model (Flax linen), in two families (`ModelConfig.family`).
 
 Pre-norm blocks: x ← x + Attn(RMSNorm(x)), x ← x + MLP(RMSNorm(x)); causal self-attention with
-rotary position embeddings; the output head is tied to the token embedding. The token embedding
-lives under the top-level ``"embed"`` key, which `dloco.fragments` places on its own fragment.
+rotary position embeddings. ``classic``: multi-head attention, a GELU MLP, the output head tied to
+the token embedding. ``llama``: grouped-query attention (`n_kv_heads` key/value heads shared by
+n_heads / n_kv_heads query heads each) through `jax.nn.dot_product_attention`, a SwiGLU MLP
+(silu(x·W_gate) ⊙ x·W_up, then W_down), and an untied ``lm_head`` unless `tie_embeddings`. Both
+compute in `dtype` (float32 or bfloat16) with float32 parameters; the loss is taken in float32.
+The token embedding lives under the top-level ``"embed"`` key, which `dloco.fragments` places on
+its own fragment.
 """
 
 from __future__ import annotations
@@ -37,16 +42,44 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
-        h = self.cfg.n_heads
-        qkv = nn.Dense(3 * d, use_bias=False, name="qkv")(x).reshape(b, t, 3, h, d // h)
+        h, dt = self.cfg.n_heads, _dtype(self.cfg)
+        qkv = nn.Dense(3 * d, use_bias=False, dtype=dt, name="qkv")(x).reshape(b, t, 3, h, d // h)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        q, k = rotary(q, self.cfg.rope_base), rotary(k, self.cfg.rope_base)
+        q, k = rotary(q, self.cfg.rope_base).astype(dt), rotary(k, self.cfg.rope_base).astype(dt)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // h).astype(x.dtype)
         causal = jnp.tril(jnp.ones((t, t), dtype=bool))
         scores = jnp.where(causal[None, None], scores, jnp.finfo(scores.dtype).min)
         attn = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, d)
-        return nn.Dense(d, use_bias=False, name="out")(out)
+        return nn.Dense(d, use_bias=False, dtype=dt, name="out")(out)
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention (llama): n_heads query heads, n_kv_heads key/value heads."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        h, kv, dt = self.cfg.n_heads, self.cfg.n_kv_heads or self.cfg.n_heads, _dtype(self.cfg)
+        hd = d // h
+        q = nn.Dense(h * hd, use_bias=False, dtype=dt, name="q")(x).reshape(b, t, h, hd)
+        k = nn.Dense(kv * hd, use_bias=False, dtype=dt, name="k")(x).reshape(b, t, kv, hd)
+        v = nn.Dense(kv * hd, use_bias=False, dtype=dt, name="v")(x).reshape(b, t, kv, hd)
+        q, k = rotary(q, self.cfg.rope_base).astype(dt), rotary(k, self.cfg.rope_base).astype(dt)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
+        return nn.Dense(d, use_bias=False, dtype=dt, name="out")(out)
+
+
+def swiglu_hidden(cfg: ModelConfig) -> int:
+    """The SwiGLU MLP's hidden size: (2/3)·mlp_ratio·d_model, as many weights as the GELU MLP,
+    rounded up to a multiple of 8."""
+    return max(8, -(-2 * cfg.mlp_ratio * cfg.d_model // 3 // 8) * 8)
+
+
+def _dtype(cfg: ModelConfig):
+    return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
 
 
 class Block(nn.Module):
@@ -54,11 +87,20 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        d = self.cfg.d_model
-        x = x + Attention(self.cfg, name="attn")(nn.RMSNorm(name="attn_norm")(x))
-        y = nn.RMSNorm(name="mlp_norm")(x)
-        y = nn.Dense(self.cfg.mlp_ratio * d, use_bias=False, name="mlp_in")(y)
-        y = nn.Dense(d, use_bias=False, name="mlp_out")(jax.nn.gelu(y))
+        d, dt = self.cfg.d_model, _dtype(self.cfg)
+        llama = self.cfg.family == "llama"
+        attn = GQAttention(self.cfg, name="attn") if llama else Attention(self.cfg, name="attn")
+        x = x + attn(nn.RMSNorm(dtype=dt, name="attn_norm")(x))
+        y = nn.RMSNorm(dtype=dt, name="mlp_norm")(x)
+        if llama:
+            f = swiglu_hidden(self.cfg)
+            gate, up = (
+                nn.Dense(f, use_bias=False, dtype=dt, name="mlp_gate")(y),
+                nn.Dense(f, use_bias=False, dtype=dt, name="mlp_up")(y),
+            )
+            return x + nn.Dense(d, use_bias=False, dtype=dt, name="mlp_down")(jax.nn.silu(gate) * up)
+        y = nn.Dense(self.cfg.mlp_ratio * d, use_bias=False, dtype=dt, name="mlp_in")(y)
+        y = nn.Dense(d, use_bias=False, dtype=dt, name="mlp_out")(jax.nn.gelu(y))
         return x + y
 
 
@@ -70,12 +112,21 @@ class TransformerLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        embed = nn.Embed(self.vocab_size, self.cfg.d_model, embedding_init=nn.initializers.normal(0.02), name=EMBED_KEY)
+        dt = _dtype(self.cfg)
+        embed = nn.Embed(
+            self.vocab_size, self.cfg.d_model, embedding_init=nn.initializers.normal(0.02), dtype=dt, name=EMBED_KEY
+        )
         x = embed(tokens)
         for i in range(self.cfg.n_layers):
             x = Block(self.cfg, name=f"block_{i}")(x)
-        x = nn.RMSNorm(name="final_norm")(x)
-        return embed.attend(x)
+        x = nn.RMSNorm(dtype=dt, name="final_norm")(x)
+        if self.cfg.tie_embeddings:
+            return embed.attend(x)
+        # as small as the embedding's init: the first loss is near uniform, ln(vocab), as when tied
+        head = nn.Dense(
+            self.vocab_size, use_bias=False, dtype=dt, kernel_init=nn.initializers.normal(0.02), name="lm_head"
+        )
+        return head(x)
 
 
 def build(cfg: ModelConfig, vocab_size: int) -> TransformerLM:

@@ -170,6 +170,12 @@ class RunConfig:
 #
 # Presets choose the model, data and budget; the algorithm's settings are the dataclass defaults
 # (one truth: `dloco train` runs what docs/CONFIG.md and README state).
+_LLAMA_TRAINING: dict[str, Any] = {
+    "inner": {"lr": 3e-4, "warmup_steps": 500, "total_steps": 20_000, "batch_size": 32},
+    "data": {"seq_len": 1024, "tokenizer": "bpe", "vocab_size": 32768},
+    "sync": {"every": 100},
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {},
     # `micro`: a 21k-parameter model on 400 kB of the corpus, for smoke runs and tests; `mini`: a
@@ -191,4 +197,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sync": {"every": 48},
         "budget": {"tokens": 8_000_000},
     },
-}
+    # The llama family (model.family: llama): `llama-micro` for tests on CPU; ~125 M, ~350 M and
+    # ~1 B parameters (with the 32768-token BPE these presets train) for GPU or TPU learners,
+    # computing in bfloat16 with float32 parameters, with 20 tokens per parameter as budget.
+    "llama-micro": {
+        "model": {"family": "llama", "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 1,
+                  "tie_embeddings": False},
+        "inner": {"batch_size": 4},
+        "data": {"seq_len": 32, "max_bytes": 400_000},
+    },
+    "llama-125m": {
+        "model": {"family": "llama", "d_model": 768, "n_heads": 12, "n_kv_heads": 4, "n_layers": 12,
+                  "tie_embeddings": False, "dtype": "bfloat16"},
+        **_LLAMA_TRAINING,
+        "budget": {"tokens": 2_500_000_000},  # 20 tokens per parameter
+    },
+    "llama-350m": {
+        "model": {"family": "llama", "d_model": 1024, "n_heads": 16, "n_kv_heads": 8, "n_layers": 24,
+                  "tie_embeddings": False, "dtype": "bfloat16"},
+        **_LLAMA_TRAINING,
+        "budget": {"tokens": 7_000_000_000},  # 20 tokens per parameter
+    },
+    "llama-1b": {
+        "model": {"family": "llama", "d_model": 2048, "n_heads": 32, "n_kv_heads": 8, "n_layers": 20,
+                  "tie_embeddings": False, "dtype": "bfloat16"},
+        **_LLAMA_TRAINING,
+        "budget": {"tokens": 20_000_000_000},  # 20 tokens per parameter
+    },
+}  # fmt: skip

@@ -17,7 +17,13 @@ NORM_WINDOW = 64
 class ModelConfig:
     """Decoder-only transformer LM. `vocab_size=0` takes the tokenizer's vocabulary size.
     `init_from`: start from these weights (a `dloco export` directory, or a run directory's
-    newest global model) instead of a random init; they must be of this model."""
+    newest global model) instead of a random init; they must be of this model.
+
+    `family`: ``classic`` (GELU MLP, multi-head attention, tied embeddings) or ``llama`` (SwiGLU
+    MLP of hidden size ⌈(2/3)·mlp_ratio·d_model / 8⌉·8, grouped-query attention with `n_kv_heads`
+    key/value heads through `jax.nn.dot_product_attention`, the fused kernel on GPU; embeddings
+    tied unless `tie_embeddings` is false). `dtype`: the compute dtype, float32 or bfloat16; the
+    parameters (and so the optimizer and every fragment) stay float32."""
 
     d_model: int = 128
     n_layers: int = 2
@@ -26,6 +32,10 @@ class ModelConfig:
     vocab_size: int = 0
     rope_base: float = 10000.0
     init_from: str = ""
+    family: str = "classic"
+    n_kv_heads: int = 0  # llama: key/value heads (0: n_heads); must divide n_heads
+    tie_embeddings: bool = True
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _finite("model", self)
@@ -36,6 +46,21 @@ class ModelConfig:
             "model.d_model",
             self.d_model,
             f"must be a multiple of model.n_heads={self.n_heads} with an even head size (rotary)",
+        )
+        _choice("model", self, "family", ("classic", "llama"))
+        _choice("model", self, "dtype", ("float32", "bfloat16"))
+        kv = self.n_kv_heads or self.n_heads
+        _check(
+            self.n_kv_heads >= 0 and self.n_heads % kv == 0,
+            "model.n_kv_heads",
+            self.n_kv_heads,
+            f"must divide model.n_heads={self.n_heads} (0: n_heads)",
+        )
+        _check(
+            self.family == "llama" or (kv == self.n_heads and self.tie_embeddings),
+            "model.family",
+            self.family,
+            "must be llama for model.n_kv_heads or tie_embeddings: false",
         )
 
 

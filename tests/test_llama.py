@@ -1,0 +1,102 @@
+"""The llama family (`model.family: llama`): parameter counts by hand, grouped-query attention
+against a plain reference, bfloat16 compute over float32 parameters, and training: dp is plain
+AdamW bit for bit, decoupled lowers the loss."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dloco import build, config, inner, model
+from dloco.sim import run_local
+
+# on the `micro` test preset (d_model 32, 2 heads): one key/value head for two query heads, untied
+LLAMA = ("model.family=llama", "model.n_kv_heads=1", "model.tie_embeddings=false")
+
+
+def by_hand(d, layers, heads, kv, vocab, ratio=4, tied=False):
+    """Parameters of a llama model: per layer q, out (d²), k, v (d·kv·hd), SwiGLU 3·d·f, 2 norms;
+    the embedding, an untied head and the final norm."""
+    hd = d // heads
+    f = -(-(2 * ratio * d // 3 + (2 * ratio * d % 3 > 0)) // 8) * 8
+    layer = 2 * d * d + 2 * d * kv * hd + 3 * d * f + 2 * d
+    return layers * layer + vocab * d * (1 if tied else 2) + d
+
+
+@pytest.mark.parametrize(
+    "preset, dims, expected",
+    [
+        ("llama-micro", (32, 1, 4, 2, 257), 28_064),
+        ("llama-125m", (768, 12, 12, 4, 32768), 125_848_320),
+        ("llama-350m", (1024, 24, 16, 8, 32768), 344_376_320),
+        ("llama-1b", (2048, 20, 32, 8, 32768), 1_015_433_216),
+    ],
+)
+def test_preset_parameter_counts_by_hand(preset, dims, expected):
+    c = config.load(overrides=(f"preset={preset}",))
+    d, layers, heads, kv, vocab = dims
+    assert (c.model.d_model, c.model.n_layers, c.model.n_heads, c.model.n_kv_heads) == (d, layers, heads, kv)
+    shapes = jax.eval_shape(functools.partial(model.init_params, model.build(c.model, vocab), 0, 8))
+    assert model.count_params(shapes) == by_hand(d, layers, heads, kv, vocab) == expected
+    assert shapes["lm_head"]["kernel"].shape == (d, vocab) and shapes["embed"]["embedding"].dtype == jnp.float32
+
+
+def test_grouped_query_attention_matches_a_plain_reference():
+    cfg = config.load(overrides=("model.family=llama", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2"))
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 7, 32))
+    att = model.GQAttention(cfg.model)
+    p = att.init(jax.random.PRNGKey(0), x)["params"]
+    got = att.apply({"params": p}, x)
+    q = model.rotary((x @ p["q"]["kernel"]).reshape(2, 7, 4, 8), cfg.model.rope_base)
+    k = model.rotary((x @ p["k"]["kernel"]).reshape(2, 7, 2, 8), cfg.model.rope_base)
+    v = (x @ p["v"]["kernel"]).reshape(2, 7, 2, 8)
+    k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)  # query heads 0, 1 share kv head 0; 2, 3 head 1
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(8.0)
+    s = jnp.where(jnp.tril(jnp.ones((7, 7), bool)), s, -jnp.inf)
+    ref = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).reshape(2, 7, 32) @ p["out"]["kernel"]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_compute_keeps_float32_parameters_and_the_loss_close():
+    tokens = jnp.asarray(np.arange(2 * 33).reshape(2, 33) % 257)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        c = config.load(overrides=("preset=llama-micro", f"model.dtype={dtype}"))
+        m = model.build(c.model, 257)
+        params = model.init_params(m, 0, 32)  # the same seed: the same float32 parameters
+        assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+        out[dtype] = (m.apply({"params": params}, tokens[:, :-1]).dtype, inner.lm_loss(m, params, tokens))
+    assert out["float32"][0] == jnp.float32 and out["bfloat16"][0] == jnp.bfloat16
+    (l32, n), (l16, _) = out["float32"][1], out["bfloat16"][1]
+    assert float(l16 / n) == pytest.approx(float(l32 / n), rel=0.01)  # bf16 keeps ~3 significant digits
+
+
+def test_dp_with_one_learner_trains_llama_as_plain_adamw_bit_for_bit(tiny_run, tmp_path):
+    overrides = [o for o in tiny_run if not o.startswith(("sync.", "fragments."))]
+    cfg = config.load(overrides=(*overrides, *LLAMA, "algorithm=dp", "learners.count=1"))
+    run = run_local(cfg, tmp_path, steps=4, devices=1)
+    bp = build.blueprint(cfg)
+    assert "lm_head" in bp.plan.join(list(bp.initial))
+    mesh = inner.make_mesh(jax.devices()[:1])
+    stream = build.stream(cfg, bp.corpus.load_split("train"), 0)
+    state = inner.init_state(bp.plan.join(list(bp.initial)), cfg.inner, mesh)
+    step = inner.make_train_step(bp.model, cfg.inner, mesh)
+    for t in range(4):
+        params, opt, _ = step(state.params, state.opt_state, inner.shard_batch(stream.next_batch(), mesh), t)
+        state = inner.TrainState(params, opt, t + 1)
+    for n, x in bp.plan.split(state.params)[0].items():
+        np.testing.assert_array_equal(run.store.fragment(0)[1][n], x)
+
+
+def test_decoupled_training_of_llama_lowers_the_validation_loss(tiny_run, tmp_path):
+    cfg = config.load(overrides=(*tiny_run, *LLAMA, "learners.count=2"))
+    run = run_local(cfg, tmp_path, steps=48)
+    bp = build.blueprint(cfg)
+    mesh = inner.make_mesh()
+    step, batches = inner.make_eval_step(bp.model, mesh), build.eval_set(cfg, bp.corpus)
+    before = inner.evaluate(step, inner.replicate(bp.plan.join(list(bp.initial)), mesh), batches, mesh)
+    theta = bp.plan.join([run.store.fragment(p)[1] for p in range(bp.plan.count)])
+    after = inner.evaluate(step, inner.replicate(theta, mesh), batches, mesh)
+    assert before == pytest.approx(np.log(257), abs=0.1) and after < before - 0.5
