@@ -38,7 +38,9 @@ from dloco.services.wire import Update
 
 
 class Learner:
-    def __init__(self, cfg: dict, learner_id: int, store_name: str, syncer_name: str, namespace: str | None = None):
+    def __init__(
+        self, cfg: dict, learner_id: int, store_name: str, syncer_name: str, namespace: str | None = None, expect=None
+    ):
         self.cfg = from_dict(cfg)
         self.learner_id = learner_id
         if self.cfg.learners.cpu_limit > 0:  # first, so that the (re)start itself runs on its share
@@ -51,7 +53,7 @@ class Learner:
         while True:
             try:
                 self.service = LearnerService(
-                    self.cfg, learner_id, StoreHandle(self.store), syncer, RayTransport(), WallClock(), mesh
+                    self.cfg, learner_id, StoreHandle(self.store), syncer, RayTransport(), WallClock(), mesh, expect
                 )
                 break
             except OSError:  # the store cannot record the registration (disk full, read-only): the

@@ -57,7 +57,7 @@ class RunHandle:
         self._metrics_path = run_dir / "metrics.jsonl"
         self._metrics_file = open(self._metrics_path, "a")  # noqa: SIM115 - closed in stop()
         self._tensorboard = TensorBoardSink(run_dir, fragments=bp.plan.count)  # beside metrics.jsonl
-        self._bp, self._mesh = bp, inner.make_mesh()
+        self._bp, self._mesh, self.corpus = bp, inner.make_mesh(), build.corpus_identity(bp.corpus)
         self._eval = inner.make_eval_step(bp.model, self._mesh)
         self._eval_set = build.eval_set(cfg, bp.corpus)
         self.summary: dict[str, Any] | None = None
@@ -128,7 +128,7 @@ class RunHandle:
                 # a GPU or TPU learner lets JAX find its accelerator; others stay on the CPU
                 runtime_env={"env_vars": worker_env(self.cfg, accelerator, shared_gpu=0 < g.num_gpus < 1)},
             )
-            .remote(self.cfg_dict, m, "store", "syncer", self.namespace)
+            .remote(self.cfg_dict, m, "store", "syncer", self.namespace, self.corpus)
         )
         self.learners[m] = actor
         self.runs[m] = actor.run.remote(self.cfg.budget.steps or None)

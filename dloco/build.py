@@ -6,10 +6,12 @@ model, plan and initial fragments, so nothing but arrays and small metadata has 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from flax import linen as nn
 
 from dloco import data, model, outer
 from dloco.config import RunConfig
@@ -21,7 +23,7 @@ class Blueprint:
     """What every actor derives from the config: corpus, model, plan, initial fragments Θ_p⁰."""
 
     corpus: data.Corpus
-    model: model.TransformerLM
+    model: nn.Module  # ours (`dloco.model.TransformerLM`) or `model.factory`'s
     plan: FragmentPlan
     initial: tuple[dict[str, np.ndarray], ...]
 
@@ -41,6 +43,28 @@ def corpus(cfg: RunConfig) -> data.Corpus:
         max_bytes=d.max_bytes,
         cache_dir=Path(d.cache_dir).expanduser(),
         text_field=d.text_field,
+    )
+
+
+def corpus_identity(c: data.Corpus) -> dict[str, str]:
+    """What makes two actors' corpora the same: the cache key (the documents and how they were
+    split and tokenized) and the tokenizer itself (a BPE trained on another node may differ)."""
+    tok = c.path / "tokenizer.json"
+    digest = hashlib.blake2b(tok.read_bytes(), digest_size=16).hexdigest() if tok.exists() else c.tokenizer
+    return {"key": c.key, "tokenizer": digest}
+
+
+def check_corpus(cfg: RunConfig, c: data.Corpus, expect: dict[str, str] | None, who: str) -> None:
+    """Raises `ValueError` (one line) if `c` is not the corpus the driver prepared (`expect`)."""
+    if expect is None or corpus_identity(c) == expect:
+        return
+    mine = corpus_identity(c)
+    what = "tokenizer" if mine["key"] == expect["key"] else "corpus"
+    raise ValueError(
+        f"{who}: its {what} differs from the driver's (data.source={cfg.data.source}: key {mine['key'][:12]}, "
+        f"tokenizer {mine['tokenizer'][:12]} here; {expect['key'][:12]}, {expect['tokenizer'][:12]} on the driver): "
+        "every node needs the same corpus files and tokenizer (stdlib differs between Python patch versions; "
+        "use data.tokenizer=file:PATH to share one BPE)"
     )
 
 

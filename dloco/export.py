@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import linen as nn
 
 from dloco import config, model
 from dloco.config import RunConfig
@@ -60,7 +61,7 @@ class Exported:
             raise FileNotFoundError(f"{self.source}: the BPE tokenizer of this model is not found (tokenizer.json)")
         return Tokenizer.from_file(self.tokenizer_file)
 
-    def module(self) -> model.TransformerLM:
+    def module(self) -> nn.Module:
         return model.build(self.cfg.model, self.vocab_size)
 
 

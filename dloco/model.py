@@ -12,6 +12,8 @@ its own fragment.
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -129,12 +131,32 @@ class TransformerLM(nn.Module):
         return head(x)
 
 
-def build(cfg: ModelConfig, vocab_size: int) -> TransformerLM:
-    """Builds the model; `cfg.vocab_size` (if non-zero) overrides the tokenizer's `vocab_size`."""
-    return TransformerLM(cfg, cfg.vocab_size or vocab_size)
+def build(cfg: ModelConfig, vocab_size: int) -> nn.Module:
+    """Builds the model; `cfg.vocab_size` (if non-zero) overrides the tokenizer's `vocab_size`.
+
+    With `cfg.factory` (``"package.module:function"``) the model is yours: ``function(cfg,
+    vocab_size)`` returns a Flax linen module that maps token ids [batch, seq] (int32) to logits
+    [batch, seq, vocab_size]; everything else (init from the seed, the loss: next-token cross
+    entropy in float32, fragments, merging, export) works on its parameters as on ours. Parameters
+    under a top-level ``"embed"`` key are treated as the token embedding (a fragment of their own,
+    merged by weighted mean). The module must be importable on every node of the cluster.
+    """
+    vocab = cfg.vocab_size or vocab_size
+    if not cfg.factory:
+        return TransformerLM(cfg, vocab)
+    mod, _, fn = cfg.factory.partition(":")
+    try:
+        made = getattr(importlib.import_module(mod), fn)(cfg, vocab)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"model.factory={cfg.factory}: cannot load it ({e}); expected 'package.module:function'"
+        ) from None
+    if not isinstance(made, nn.Module):
+        raise ValueError(f"model.factory={cfg.factory}: returned {type(made).__name__}, not a flax.linen Module")
+    return made
 
 
-def init_params(model: TransformerLM, seed: int, seq_len: int) -> dict:
+def init_params(model: nn.Module, seed: int, seq_len: int) -> dict:
     """Initial parameters from `jax.random.PRNGKey(seed)` (same seed → same parameters)."""
     tokens = jnp.zeros((1, seq_len), dtype=jnp.int32)
     return model.init(jax.random.PRNGKey(seed), tokens)["params"]

@@ -400,3 +400,23 @@ def test_a_pretrained_tokenizer_without_an_eos_or_file_is_refused(tmp_path):
         prepare_corpus(source, tokenizer=f"file:{tmp_path / 'tok.json'}", cache_dir=tmp_path / "cache")
     with pytest.raises(FileNotFoundError):
         prepare_corpus(source, tokenizer=f"file:{tmp_path / 'none.json'}", cache_dir=tmp_path / "cache")
+
+
+def test_corpus_identity_tells_another_corpus_from_another_tokenizer(tmp_path):
+    from dloco import build, config
+
+    docs = {f"d{i}.txt": "alpha beta gamma delta " * 30 for i in range(20)}
+    source = _write_text_docs(tmp_path / "docs", docs)
+    cfg = config.load(overrides=(f"data.source={source}",))
+    a = prepare_corpus(source, tokenizer="bpe", vocab_size=300, cache_dir=tmp_path / "c1")
+    ident = build.corpus_identity(a)
+    assert ident["key"] == a.key and len(ident["tokenizer"]) == 32
+    build.check_corpus(cfg, a, ident, "learner 1")  # the same: accepted
+    build.check_corpus(cfg, a, None, "learner 1")  # nothing to compare with (in process)
+    (a.path / "tokenizer.json").write_text((a.path / "tokenizer.json").read_text().replace('"alpha"', '"alpha "'))
+    with pytest.raises(ValueError, match=r"^learner 1: its tokenizer differs from the driver's"):
+        build.check_corpus(cfg, a, ident, "learner 1")
+    byte = prepare_corpus(source, cache_dir=tmp_path / "c2")
+    assert build.corpus_identity(byte)["tokenizer"] == "byte"
+    with pytest.raises(ValueError, match=r"its corpus differs from the driver's .*every node needs the same"):
+        build.check_corpus(cfg, byte, ident, "learner 1")

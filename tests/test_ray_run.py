@@ -301,3 +301,27 @@ def test_a_store_that_cannot_start_fails_the_start_in_one_line_and_leaves_nothin
     finally:
         for h in holders:
             h.kill()
+
+
+def test_learners_whose_corpus_differs_from_the_drivers_refuse_to_start_and_the_run_ends(
+    ray_cluster, cfg_for, tmp_path, monkeypatch
+):
+    """On a real cluster each node prepares the corpus itself: a node with other files (or another
+    Python's stdlib, or a BPE trained differently) would train on other token ids. Here the
+    driver's identity of the corpus is made to differ from the learners': every learner refuses to
+    start with one line naming it, none registers, and the run ends with that error."""
+    from actors.launch import start
+    from dloco import build
+
+    real = build.corpus_identity
+    monkeypatch.setattr(build, "corpus_identity", lambda c: {**real(c), "key": "0" * 64})  # the driver's only
+    h = start(cfg_for("learners.count=2", "budget.seconds=300"), run_dir=tmp_path)
+    try:
+        summary = h.wait(timeout=180)
+        assert summary is not None and summary["error"].startswith("every learner failed: ")
+        assert "its corpus differs from the driver's" in summary["error"] and "key 000000000000" in summary["error"]
+        failed = [e for e in h.metrics("actor_error") if e["target"].startswith("learner-")]
+        assert len(failed) == 2 and all("corpus differs" in e["error"] for e in failed)
+        assert not h.metrics("learner_start") and not h.metrics("merge")  # none registered, nothing merged
+    finally:
+        h.stop()

@@ -32,6 +32,7 @@ class ModelConfig:
     vocab_size: int = 0
     rope_base: float = 10000.0
     init_from: str = ""
+    factory: str = ""  # your own model: "package.module:function" (see `dloco.model.build`)
     family: str = "classic"
     n_kv_heads: int = 0  # llama: key/value heads (0: n_heads); must divide n_heads
     tie_embeddings: bool = True
@@ -48,6 +49,13 @@ class ModelConfig:
             f"must be a multiple of model.n_heads={self.n_heads} with an even head size (rotary)",
         )
         _choice("model", self, "family", ("classic", "llama"))
+        mod, colon, fn = self.factory.partition(":")
+        _check(
+            not self.factory or bool(colon and mod and fn.isidentifier()),
+            "model.factory",
+            self.factory,
+            "must be 'package.module:function' (a function returning a flax.linen Module)",
+        )
         _choice("model", self, "dtype", ("float32", "bfloat16"))
         kv = self.n_kv_heads or self.n_heads
         _check(

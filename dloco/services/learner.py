@@ -1,6 +1,8 @@
 """The learner's protocol (ALGORITHM.md §4, §9, §10) around `dloco.learner.LearnerCore`.
 
-On construction a learner registers with the store (a new incarnation), installs the
+On construction a learner checks that its corpus and tokenizer are the driver's (`expect`:
+`build.corpus_identity`; a node with other files refuses to start), registers with the store (a
+new incarnation), installs the
 shadow fragments Θ̂_p and resumes its data stream from its merged cursor. `step` trains one batch and
 sends the pushes that fell due: the payload is put with the transport and announced to the
 syncer. `receive` takes the store's updates: the payload is fetched and queued for install; a delta
@@ -36,10 +38,12 @@ class LearnerService:
         transport: Transport,
         clock: Clock,
         mesh,
+        expect: dict[str, str] | None = None,
     ) -> None:
         self.cfg, self.learner_id = cfg, learner_id
         self.store, self.syncer, self.transport, self.clock = store, syncer, transport, clock
         bp = build.blueprint(cfg)
+        build.check_corpus(cfg, bp.corpus, expect, f"learner {learner_id}")  # before it registers
         reg = store.register(learner_id)
         versions, fragments = store.fragments(shadow=True, learner_id=learner_id)
         cursor = Cursor.from_dict(reg.cursor) if reg.cursor else None
