@@ -88,12 +88,19 @@ def shard_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
     return jax.device_put(batch, NamedSharding(mesh, P(DATA_AXIS)))
 
 
-def lm_loss(model: Any, params: Any, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Sum of next-token cross-entropies over `batch` [b, seq+1] and the number of targets."""
+def lm_loss(model: Any, params: Any, batch: jax.Array, aux: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Sum of next-token cross-entropies over `batch` [b, seq+1] and the number of targets. With
+    `aux` (training), plus the auxiliary losses the model sows into its ``"losses"`` collection
+    (the mixture of experts' load balancing, already weighted) × the number of targets, so that
+    the mean is cross-entropy + auxiliary loss; evaluation reports cross-entropy alone."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits = model.apply({"params": params}, inputs)
+    logits, sown = model.apply({"params": params}, inputs, mutable=["losses"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    return losses.sum(), jnp.asarray(losses.size, jnp.float32)
+    count = jnp.asarray(losses.size, jnp.float32)
+    total = losses.sum()
+    if aux:
+        total = total + count * sum((jnp.sum(x) for x in jax.tree_util.tree_leaves(sown)), jnp.float32(0))
+    return total, count
 
 
 def make_train_step(model: Any, cfg: InnerConfig, mesh: Mesh) -> Callable:
@@ -107,7 +114,7 @@ def make_train_step(model: Any, cfg: InnerConfig, mesh: Mesh) -> Callable:
 
     def step(params, opt_state, batch, t):
         def loss_fn(p):
-            total, count = lm_loss(model, p, batch)
+            total, count = lm_loss(model, p, batch, aux=True)
             return total / count
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -132,7 +139,7 @@ def make_grad_step(model: Any, mesh: Mesh) -> Callable:
 
     def grad_step(params, batch):
         def loss_fn(p):
-            total, count = lm_loss(model, p, batch)
+            total, count = lm_loss(model, p, batch, aux=True)
             return total / count
 
         loss, grads = jax.value_and_grad(loss_fn)(params)

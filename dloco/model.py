@@ -84,6 +84,44 @@ def _dtype(cfg: ModelConfig):
     return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
 
 
+class MoE(nn.Module):
+    """A mixture of E experts (the family's MLP each, weights stacked [E, ...]), top-k routing.
+
+    Router probabilities p = softmax(x·W_r) in float32; each token goes to its k most probable
+    experts, whose outputs are combined with the renormalized probabilities. The load-balancing
+    loss (Switch Transformer, over top-k slots) E·Σ_e f_e·P_e, with f_e the share of routed slots
+    that went to expert e and P_e its mean probability, is 1 when the routing is balanced; weighted
+    by `moe_aux_weight` it is sown into the ``"losses"`` collection (`dloco.inner.lm_loss`).
+    Every expert is computed for every token and the unchosen ones weighted 0: the arithmetic of
+    a dispatch kernel, not its speed.
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, _dtype(self.cfg)
+        E, k, d = cfg.n_experts, cfg.experts_per_token, cfg.d_model
+        llama = cfg.family == "llama"
+        f = swiglu_hidden(cfg) if llama else cfg.mlp_ratio * d
+        probs = jax.nn.softmax(nn.Dense(E, use_bias=False, name="router")(x.astype(jnp.float32)), axis=-1)
+        top_p, top_i = jax.lax.top_k(probs, k)
+        chosen = jax.nn.one_hot(top_i, E)  # [b, t, k, E]
+        combine = jnp.einsum("btk,btke->bte", top_p / top_p.sum(-1, keepdims=True), chosen)
+        init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1)
+        w_in = self.param("w_in", init, (E, d, f)).astype(dt)
+        h = jnp.einsum("btd,edf->btef", x, w_in)
+        if llama:
+            w_gate = self.param("w_gate", init, (E, d, f)).astype(dt)
+            h = jax.nn.silu(jnp.einsum("btd,edf->btef", x, w_gate)) * h
+        else:
+            h = jax.nn.gelu(h)
+        y = jnp.einsum("btef,efd->bted", h, self.param("w_out", init, (E, f, d)).astype(dt))
+        share, mean_p = chosen.sum(-2).mean((0, 1)) / k, probs.mean((0, 1))
+        self.sow("losses", "moe_balance", cfg.moe_aux_weight * E * jnp.sum(share * mean_p))
+        return jnp.einsum("bted,bte->btd", y, combine.astype(dt))
+
+
 class Block(nn.Module):
     cfg: ModelConfig
 
@@ -94,6 +132,8 @@ class Block(nn.Module):
         attn = GQAttention(self.cfg, name="attn") if llama else Attention(self.cfg, name="attn")
         x = x + attn(nn.RMSNorm(dtype=dt, name="attn_norm")(x))
         y = nn.RMSNorm(dtype=dt, name="mlp_norm")(x)
+        if self.cfg.n_experts:
+            return x + MoE(self.cfg, name="moe")(y)
         if llama:
             f = swiglu_hidden(self.cfg)
             gate, up = (

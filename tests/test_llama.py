@@ -1,6 +1,7 @@
-"""The llama family (`model.family: llama`): parameter counts by hand, grouped-query attention
-against a plain reference, bfloat16 compute over float32 parameters, and training: dp is plain
-AdamW bit for bit, decoupled lowers the loss."""
+"""The llama family (`model.family: llama`) and the mixture of experts: parameter counts by hand,
+grouped-query attention against a plain reference, bfloat16 compute over float32 parameters, the
+experts' combination and balance loss by hand, and training: dp is plain AdamW bit for bit,
+decoupled lowers the loss."""
 
 import functools
 
@@ -100,3 +101,53 @@ def test_decoupled_training_of_llama_lowers_the_validation_loss(tiny_run, tmp_pa
     theta = bp.plan.join([run.store.fragment(p)[1] for p in range(bp.plan.count)])
     after = inner.evaluate(step, inner.replicate(theta, mesh), batches, mesh)
     assert before == pytest.approx(np.log(257), abs=0.1) and after < before - 0.5
+
+
+MOE = ("model.n_experts=4", "model.experts_per_token=2")
+
+
+def test_a_mixture_of_experts_combines_the_top_k_experts_by_hand():
+    cfg = config.load(overrides=("preset=llama-micro", *MOE)).model
+    x = jax.random.normal(jax.random.PRNGKey(1), (1, 3, 32))
+    moe = model.MoE(cfg)
+    p = moe.init(jax.random.PRNGKey(0), x)["params"]
+    got, sown = moe.apply({"params": p}, x, mutable=["losses"])
+    probs = jax.nn.softmax(x @ p["router"]["kernel"], axis=-1)
+    for t in range(3):
+        top = np.argsort(-np.asarray(probs[0, t]))[:2]
+        gates = np.asarray(probs[0, t])[top] / np.asarray(probs[0, t])[top].sum()
+        want = sum(
+            g * (jax.nn.silu(x[0, t] @ p["w_gate"][e]) * (x[0, t] @ p["w_in"][e])) @ p["w_out"][e]
+            for g, e in zip(gates, top, strict=True)
+        )
+        np.testing.assert_allclose(got[0, t], want, rtol=1e-5, atol=1e-6)
+    # the balance loss by hand: E · Σ_e (share of the 6 routed slots to e) · (mean probability of e)
+    idx = np.argsort(-np.asarray(probs[0]), axis=-1)[:, :2]
+    share = np.bincount(idx.ravel(), minlength=4) / 6
+    (balance,) = jax.tree_util.tree_leaves(sown)
+    assert float(balance) == pytest.approx(0.01 * 4 * float(np.sum(share * np.asarray(probs[0]).mean(0))), rel=1e-5)
+
+
+def test_balanced_routing_costs_exactly_the_weight_and_evaluation_leaves_it_out():
+    cfg = config.load(overrides=("preset=llama-micro", *MOE, "model.moe_aux_weight=0.5")).model
+    m = model.build(cfg, 257)
+    params = model.init_params(m, 0, 8)
+    zero = jax.tree_util.tree_map(jnp.zeros_like, params["block_0"]["moe"]["router"])  # uniform routing
+    params = {**params, "block_0": {**params["block_0"], "moe": {**params["block_0"]["moe"], "router": zero}}}
+    batch = jnp.asarray(np.arange(18).reshape(2, 9))
+    (train, n), (ce, _) = inner.lm_loss(m, params, batch, aux=True), inner.lm_loss(m, params, batch)
+    assert float(train / n - ce / n) == pytest.approx(0.5, abs=1e-6)  # E·Σ f·P = 1 when P is uniform
+
+
+def test_a_mixture_of_experts_trains_decoupled_with_its_expert_tensors_in_fragments(tiny_run, tmp_path):
+    cfg = config.load(overrides=(*tiny_run, *LLAMA, *MOE, "learners.count=2"))
+    bp = build.blueprint(cfg)
+    shapes = {n: s for f in bp.plan.fragments for n, s in zip(f.names, f.shapes, strict=True)}
+    assert shapes["block_0/moe/w_in"] == (4, 32, 88) and shapes["block_0/moe/w_out"] == (4, 88, 32)
+    run = run_local(cfg, tmp_path, steps=48)
+    assert all(v >= 2 for v in run.store.versions)  # every fragment merged, expert tensors included
+    mesh = inner.make_mesh()
+    step, batches = inner.make_eval_step(bp.model, mesh), build.eval_set(cfg, bp.corpus)
+    before = inner.evaluate(step, inner.replicate(bp.plan.join(list(bp.initial)), mesh), batches, mesh)
+    theta = bp.plan.join([run.store.fragment(p)[1] for p in range(bp.plan.count)])
+    assert inner.evaluate(step, inner.replicate(theta, mesh), batches, mesh) < before - 0.5

@@ -23,7 +23,10 @@ class ModelConfig:
     MLP of hidden size ⌈(2/3)·mlp_ratio·d_model / 8⌉·8, grouped-query attention with `n_kv_heads`
     key/value heads through `jax.nn.dot_product_attention`, the fused kernel on GPU; embeddings
     tied unless `tie_embeddings` is false). `dtype`: the compute dtype, float32 or bfloat16; the
-    parameters (and so the optimizer and every fragment) stay float32."""
+    parameters (and so the optimizer and every fragment) stay float32. `n_experts` > 0: each
+    block's MLP is a mixture of that many experts (the family's MLP each), `experts_per_token`
+    chosen per token by a softmax router, with the load-balancing loss E·Σ_e f_e·P_e weighted by
+    `moe_aux_weight` added to the training loss (`dloco.model.MoE`)."""
 
     d_model: int = 128
     n_layers: int = 2
@@ -37,6 +40,9 @@ class ModelConfig:
     n_kv_heads: int = 0  # llama: key/value heads (0: n_heads); must divide n_heads
     tie_embeddings: bool = True
     dtype: str = "float32"
+    n_experts: int = 0  # > 0: a mixture of experts replaces each block's MLP
+    experts_per_token: int = 2  # top-k routing
+    moe_aux_weight: float = 0.01  # weight of the load-balancing loss
 
     def __post_init__(self) -> None:
         _finite("model", self)
@@ -57,6 +63,14 @@ class ModelConfig:
             "must be 'package.module:function' (a function returning a flax.linen Module)",
         )
         _choice("model", self, "dtype", ("float32", "bfloat16"))
+        _check(self.n_experts >= 0, "model.n_experts", self.n_experts, "must be >= 0 (0: a dense MLP)")
+        _check(
+            not self.n_experts or 1 <= self.experts_per_token <= self.n_experts,
+            "model.experts_per_token",
+            self.experts_per_token,
+            f"must be in [1, model.n_experts={self.n_experts}]",
+        )
+        _check(self.moe_aux_weight >= 0, "model.moe_aux_weight", self.moe_aux_weight, "must be >= 0")
         kv = self.n_kv_heads or self.n_heads
         _check(
             self.n_kv_heads >= 0 and self.n_heads % kv == 0,
