@@ -70,14 +70,38 @@ def make_mesh(devices: list | None = None) -> Mesh:
     return Mesh(devs, (DATA_AXIS,))
 
 
-def replicate(tree: Any, mesh: Mesh) -> Any:
-    """A copy of every leaf of `tree` on all devices of `mesh` (replicated).
+SHARDINGS = ("replicate", "fsdp")
+
+
+def leaf_sharding(shape: tuple[int, ...], mesh: Mesh, mode: str = "replicate") -> NamedSharding:
+    """Where one array of `shape` lives (`learners.sharding`): ``replicate``, a full copy on every
+    device; ``fsdp``, split along its first axis that the device count divides (each device holds
+    1/n of it, XLA gathers it where a step needs it), else replicated (scalars, odd shapes)."""
+    n = mesh.devices.size
+    if mode == "fsdp" and n > 1:
+        for axis, size in enumerate(shape):
+            if size % n == 0 and size >= n:
+                return NamedSharding(mesh, P(*([None] * axis), DATA_AXIS))
+    return NamedSharding(mesh, P())
+
+
+def tree_shardings(tree: Any, mesh: Mesh, mode: str = "replicate") -> Any:
+    return jax.tree_util.tree_map(lambda x: leaf_sharding(tuple(np.shape(x)), mesh, mode), tree)
+
+
+def place(tree: Any, mesh: Mesh, mode: str = "replicate") -> Any:
+    """A copy of every leaf of `tree` on `mesh`, replicated or FSDP-sharded (`leaf_sharding`).
 
     Always a fresh copy: the train step donates its inputs, which must never invalidate arrays
     the caller still holds (`jax.device_put` alone may alias the source on its own device).
     """
     fresh = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), tree)
-    return jax.device_put(fresh, NamedSharding(mesh, P()))
+    return jax.device_put(fresh, tree_shardings(fresh, mesh, mode))
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """A copy of every leaf of `tree` on all devices of `mesh` (`place`, replicated)."""
+    return place(tree, mesh, "replicate")
 
 
 def shard_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
@@ -103,11 +127,24 @@ def lm_loss(model: Any, params: Any, batch: jax.Array, aux: bool = False) -> tup
     return total, count
 
 
-def make_train_step(model: Any, cfg: InnerConfig, mesh: Mesh) -> Callable:
+def _lazy(build: Callable[[Any], Callable]) -> Callable:
+    """A function jitted on its first call, with shardings taken from that call's first argument
+    (the parameters: their shapes decide where each FSDP shard lives)."""
+    jitted: list[Callable] = []
+
+    def run(*args):
+        if not jitted:
+            jitted.append(build(args[0]))
+        return jitted[0](*args)
+
+    return run
+
+
+def make_train_step(model: Any, cfg: InnerConfig, mesh: Mesh, sharding: str = "replicate") -> Callable:
     """Returns ``step(params, opt_state, batch, t) -> (params, opt_state, metrics)``, jitted.
 
     `metrics` holds the mean loss, the gradient global norm and lr_t. Parameters and optimizer
-    state are donated (updated in place).
+    state are donated (updated in place), and kept where `place` puts them (`sharding`).
     """
     tx, lr_fn = optimizer(cfg), schedule(cfg)
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
@@ -124,15 +161,27 @@ def make_train_step(model: Any, cfg: InnerConfig, mesh: Mesh) -> Callable:
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr}
         return params, opt_state, metrics
 
-    return jax.jit(
-        step,
-        in_shardings=(replicated, replicated, sharded, replicated),
-        out_shardings=(replicated, replicated, replicated),
-        donate_argnums=(0, 1),
-    )
+    if sharding == "replicate":
+        return jax.jit(
+            step,
+            in_shardings=(replicated, replicated, sharded, replicated),
+            out_shardings=(replicated, replicated, replicated),
+            donate_argnums=(0, 1),
+        )
+
+    def build(params):
+        ps, os_ = tree_shardings(params, mesh, sharding), tree_shardings(tx.init(params), mesh, sharding)
+        return jax.jit(
+            step,
+            in_shardings=(ps, os_, sharded, replicated),
+            out_shardings=(ps, os_, replicated),
+            donate_argnums=(0, 1),
+        )
+
+    return _lazy(build)
 
 
-def make_grad_step(model: Any, mesh: Mesh) -> Callable:
+def make_grad_step(model: Any, mesh: Mesh, sharding: str = "replicate") -> Callable:
     """Returns ``grad_step(params, batch) -> (grads, metrics)``, jitted: the mean-loss gradient on
     `batch` without applying it (the data-parallel baselines send it; ALGORITHM.md §9)."""
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
@@ -145,7 +194,15 @@ def make_grad_step(model: Any, mesh: Mesh) -> Callable:
         loss, grads = jax.value_and_grad(loss_fn)(params)
         return grads, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-    return jax.jit(grad_step, in_shardings=(replicated, sharded), out_shardings=(replicated, replicated))
+    if sharding == "replicate":
+        return jax.jit(grad_step, in_shardings=(replicated, sharded), out_shardings=(replicated, replicated))
+    return _lazy(
+        lambda params: jax.jit(
+            grad_step,
+            in_shardings=(tree_shardings(params, mesh, sharding), sharded),
+            out_shardings=(tree_shardings(params, mesh, sharding), replicated),
+        )
+    )
 
 
 def make_eval_step(model: Any, mesh: Mesh) -> Callable:
@@ -167,7 +224,7 @@ def evaluate(eval_step: Callable, params: Any, batches: list[np.ndarray], mesh: 
     return total / max(count, 1.0)
 
 
-def init_state(params: Any, cfg: InnerConfig, mesh: Mesh) -> TrainState:
-    """Fresh AdamW state for `params`, both replicated on `mesh`; step 0."""
-    params = replicate(params, mesh)
-    return TrainState(params, replicate(optimizer(cfg).init(params), mesh), 0)
+def init_state(params: Any, cfg: InnerConfig, mesh: Mesh, sharding: str = "replicate") -> TrainState:
+    """Fresh AdamW state for `params`, both placed on `mesh` (`place`); step 0."""
+    params = place(params, mesh, sharding)
+    return TrainState(params, place(optimizer(cfg).init(params), mesh, sharding), 0)

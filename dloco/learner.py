@@ -130,12 +130,13 @@ class LearnerCore:
         self.cfg, self.learner_id, self.incarnation = cfg, learner_id, incarnation
         self.plan, self.mesh, self.stream = plan, mesh, stream
         self.dp = cfg.algorithm in DP_ALGORITHMS
+        self.sharding = cfg.learners.sharding  # parameters and AdamW state: replicated or FSDP over the mesh
         if self.dp:
-            self._grad_step = inner.make_grad_step(model, mesh)
+            self._grad_step = inner.make_grad_step(model, mesh, self.sharding)
         else:
-            self._train_step = inner.make_train_step(model, cfg.inner, mesh)
+            self._train_step = inner.make_train_step(model, cfg.inner, mesh, self.sharding)
         params = plan.join([{n: np.asarray(a, np.float32) for n, a in f.items()} for f in fragments])
-        self.state = inner.init_state(params, cfg.inner, mesh)._replace(step=step)
+        self.state = inner.init_state(params, cfg.inner, mesh, self.sharding)._replace(step=step)
         P = plan.count
         self.anchors: list[dict[str, np.ndarray]] = [{k: np.array(v) for k, v in f.items()} for f in fragments]
         self.versions = list(versions)
@@ -266,7 +267,7 @@ class LearnerCore:
         self.c_tok[p] = self.c_steps[p] = 0
         self.residuals[p] = None
         self.pending_pushes[p] = []
-        anchor = inner.replicate(self.anchors[p], self.mesh)
+        anchor = inner.place(self.anchors[p], self.mesh, self.sharding)
         self.state = self.state._replace(params=self.plan.install(self.state.params, anchor))
 
     def receive(self, d: Delivery) -> bool:
@@ -383,5 +384,5 @@ class LearnerCore:
                 r.theta = {n: r.theta[n] + (values[n] - self.anchors[p][n]) for n in values}
         self.anchors[p] = {n: np.array(v, np.float32) for n, v in values.items()}
         self.versions[p] = version
-        new = inner.replicate({n: np.asarray(v, np.float32) for n, v in new.items()}, self.mesh)
+        new = inner.place({n: np.asarray(v, np.float32) for n, v in new.items()}, self.mesh, self.sharding)
         self.state = self.state._replace(params=self.plan.install(self.state.params, new))

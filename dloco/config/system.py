@@ -78,6 +78,7 @@ class LearnersConfig:
     xla_threads: int = 1
     groups: tuple[LearnerGroup, ...] = ()
     cpu_limit: float = 0.0  # emulated hosts: cap each learner process at this many cores (0: no cap)
+    sharding: str = "replicate"  # over a learner's devices: replicate | fsdp (parameters and AdamW state split)
     compile_cache_dir: str = "~/.cache/dloco/jax"  # JAX's persistent compilation cache ("": none)
 
     def __post_init__(self) -> None:
@@ -91,6 +92,7 @@ class LearnersConfig:
         _check(self.num_cpus >= 0, "learners.num_cpus", self.num_cpus, "must be >= 0")
         _check(self.num_gpus >= 0, "learners.num_gpus", self.num_gpus, "must be >= 0")
         _check(self.cpu_limit >= 0, "learners.cpu_limit", self.cpu_limit, "must be >= 0 cores (0: no cap)")
+        _check(self.sharding in ("replicate", "fsdp"), "learners.sharding", self.sharding, "must be replicate or fsdp")
         _resources("learners", self.num_cpus, self.num_gpus, self.resources)
 
     def expand(self) -> list[LearnerGroup]:
