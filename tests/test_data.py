@@ -420,3 +420,22 @@ def test_corpus_identity_tells_another_corpus_from_another_tokenizer(tmp_path):
     assert build.corpus_identity(byte)["tokenizer"] == "byte"
     with pytest.raises(ValueError, match=r"its corpus differs from the driver's .*every node needs the same"):
         build.check_corpus(cfg, byte, ident, "learner 1")
+
+
+def test_uri_sources_read_through_pyarrow_fs_like_local_paths(tmp_path):
+    """``file://`` here; ``s3://``, ``gs://``, ``hdfs://`` go through the same `pyarrow.fs` calls."""
+    local = _write_text_docs(tmp_path / "docs")  # text:{tmp}/docs/**/*.txt
+    uri = local.replace("text:", "text:file://")
+    assert data.read_documents(uri) == data.read_documents(local)
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    assert data.read_documents(f"jsonl:file://{tmp_path}/j/*.jsonl") == [("a.jsonl#1", b"one"), ("a.jsonl#2", b"two")]
+    pq.write_table(pa.table({"text": ["ab", "c"]}), tmp_path / "p.parquet")
+    assert data.read_documents(f"parquet:file://{tmp_path}/*.parquet") == [
+        ("p.parquet#0", b"ab"),
+        ("p.parquet#1", b"c"),
+    ]
+    corpus = prepare_corpus(uri, cache_dir=tmp_path / "cache")
+    assert sorted(corpus.doc_ids("train") + corpus.doc_ids("val")) == sorted(TEXT_DOCS)
+    with pytest.raises(FileNotFoundError, match="matches no files"):
+        data.read_documents(f"text:file://{tmp_path}/nowhere/*.txt")

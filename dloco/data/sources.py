@@ -1,10 +1,12 @@
 """Corpus sources: the documents of ``stdlib``, ``shakespeare``, ``text:GLOB``, ``jsonl:GLOB`` or
 ``parquet:GLOB``. A JSON Lines file holds one document per line, its text in the field
 ``text_field`` (``data.text_field``, default ``text``); a Parquet file one per row, in the column
-``text_field`` or, pre-tokenized, ``tokens``."""
+``text_field`` or, pre-tokenized, ``tokens``. A GLOB is a local path or a URI (``s3://``,
+``gs://``, ``hdfs://``, ``file://``) read through `pyarrow.fs` (credentials as pyarrow finds them)."""
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import importlib.util
 import json
@@ -12,6 +14,7 @@ import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -23,6 +26,7 @@ _STDLIB_SKIP_DIRS = frozenset(
 
 # A document is (name, content); content is UTF-8 bytes, or an int64 array when pre-tokenized.
 _Doc = tuple[str, "bytes | np.ndarray"]
+_FS = Any  # None (the local filesystem) or a pyarrow.fs.FileSystem
 
 
 def _stdlib_paths() -> tuple[list[str], str]:
@@ -49,8 +53,16 @@ def _shakespeare_paths() -> tuple[list[str], str]:
     return sorted(p for p in paths if os.path.basename(p) != "metadata.txt"), root
 
 
-def _glob_paths(pattern: str) -> tuple[list[str], str]:
-    pattern = os.path.expanduser(pattern)
+def _glob_paths(pattern: str) -> tuple[list[str], str, _FS]:
+    """Files matching `pattern` (sorted), the directory names are relative to, and the filesystem:
+    a local path, or a URI (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ...) through `pyarrow.fs`."""
+    fs = None
+    if "://" in pattern:
+        import pyarrow.fs as pafs
+
+        fs, pattern = pafs.FileSystem.from_uri(pattern)
+    else:
+        pattern = os.path.expanduser(pattern)
     parts = Path(pattern).parts
     static = []
     for part in parts:
@@ -60,21 +72,38 @@ def _glob_paths(pattern: str) -> tuple[list[str], str]:
     else:
         static = static[:-1]  # no wildcard: the pattern names a file
     root = str(Path(*static)) if static else "."
-    return sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)), root
+    if fs is None:
+        return sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)), root, None
+    import pyarrow.fs as pafs
+
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    except (FileNotFoundError, OSError):
+        infos = []
+    files = [i.path for i in infos if i.type == pafs.FileType.File]
+    return sorted(p for p in files if fnmatch.fnmatchcase(p, pattern.replace("**/", "*"))), root, fs
 
 
-def _iter_text(paths: list[str], root: str) -> Iterator[_Doc]:
+def _open(path: str, fs: _FS):
+    return open(path, "rb") if fs is None else fs.open_input_stream(path)
+
+
+def _rel(path: str, root: str) -> str:
+    return Path(os.path.relpath(path, root)).as_posix()
+
+
+def _iter_text(paths: list[str], root: str, fs: _FS = None) -> Iterator[_Doc]:
     for path in paths:
-        with open(path, "rb") as f:
+        with _open(path, fs) as f:
             text = f.read().decode("utf-8", errors="replace")
-        yield Path(os.path.relpath(path, root)).as_posix(), text.encode("utf-8")
+        yield _rel(path, root), text.encode("utf-8")
 
 
-def _iter_jsonl(paths: list[str], root: str, field: str) -> Iterator[_Doc]:
+def _iter_jsonl(paths: list[str], root: str, field: str, fs: _FS = None) -> Iterator[_Doc]:
     for path in paths:
-        rel = Path(os.path.relpath(path, root)).as_posix()
-        with open(path, "rb") as f:
-            for n, line in enumerate(f, 1):
+        rel = _rel(path, root)
+        with _open(path, fs) as f:
+            for n, line in enumerate(f.read().splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -87,18 +116,18 @@ def _iter_jsonl(paths: list[str], root: str, field: str) -> Iterator[_Doc]:
                 yield f"{rel}#{n}", value.encode("utf-8", errors="replace")
 
 
-def _iter_parquet(paths: list[str], root: str, field: str = "text") -> Iterator[_Doc]:
+def _iter_parquet(paths: list[str], root: str, field: str = "text", fs: _FS = None) -> Iterator[_Doc]:
     first_column = None
     for path in paths:
-        names = pq.read_schema(path).names
+        names = pq.read_schema(path, filesystem=fs).names
         column = "tokens" if "tokens" in names else field if field in names else None
         if column is None:
             raise ValueError(f"{path}: needs a {field!r} (data.text_field) or 'tokens' column, has {names}")
         if first_column not in (None, column):
             raise ValueError(f"{path}: has {column!r} but earlier files had {first_column!r}")
         first_column = column
-        rel = Path(os.path.relpath(path, root)).as_posix()
-        values = pq.read_table(path, columns=[column]).column(column)
+        rel = _rel(path, root)
+        values = pq.read_table(path, columns=[column], filesystem=fs).column(column)
         values = values.to_numpy(zero_copy_only=False) if column == "tokens" else values.to_pylist()
         if column != "tokens" and values and not all(isinstance(v, str) for v in values if v is not None):
             raise ValueError(f"{path}: column {column!r} is not text (data.text_field)")
@@ -131,12 +160,13 @@ def read_documents(source: str, max_bytes: int = 0, text_field: str = "text") ->
       ``max_bytes`` is smaller than the first document.
     """
     kind, sep, pattern = source.partition(":")
+    fs: _FS = None
     if source == "stdlib":
         paths, root = _stdlib_paths()
     elif source == "shakespeare":
         paths, root = _shakespeare_paths()
     elif sep and pattern and kind in ("text", "jsonl", "parquet"):
-        paths, root = _glob_paths(pattern)
+        paths, root, fs = _glob_paths(pattern)
     else:
         raise ValueError(f"unknown corpus source {source!r}; expected {_SOURCE_FORMS}")
     if not paths:
@@ -144,9 +174,9 @@ def read_documents(source: str, max_bytes: int = 0, text_field: str = "text") ->
     docs: list[_Doc] = []
     total = 0
     if kind == "parquet":
-        docs_of = _iter_parquet(paths, root, text_field)
+        docs_of = _iter_parquet(paths, root, text_field, fs)
     else:
-        docs_of = _iter_jsonl(paths, root, text_field) if kind == "jsonl" else _iter_text(paths, root)
+        docs_of = _iter_jsonl(paths, root, text_field, fs) if kind == "jsonl" else _iter_text(paths, root, fs)
     for name, content in docs_of:
         if max_bytes and total + len(content) > max_bytes:
             if not docs:
