@@ -19,9 +19,12 @@ Checked after each run (any failing check makes the script exit 1):
 - on disk: every commit-log and snapshot file verifies (checksum) and holds finite values only,
   nothing was quarantined;
 - NaN: every evaluation finite, the final global model finite;
-- ledger: per learner, the tokens the store's ledger says were merged (each step once, averaged
-  over fragments) are at least what the driver's merge events show (events of a killed syncer
-  since its last drain are lost with it) and at most what the learner trained;
+- ledger: per learner, the tokens the store's ledger says were merged (averaged over fragments)
+  are at least what the driver's merge events show (events of a killed syncer since its last drain
+  are lost with it); per learner and fragment, read back from disk, they are at most `high` (the
+  highest step merged) × the learner's tokens per step: each step counted once, retrained ones
+  included. (Tokens trained as the driver saw them are reported beside it, not compared: the
+  driver polls learner status, so a killed incarnation's last steps may be merged but never seen.)
 - K = 1 (decoupled): uptime 1.0, the model never stalled;
 - memory: resident set of the driver, the store and the syncer after warm-up versus at the end,
   flat within 10 % (a restarted store or syncer is a new process: each is measured over its own
@@ -54,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from dloco import chaos, config, durable  # noqa: E402
+from dloco import build, chaos, config, durable  # noqa: E402
 
 LEARNERS = 4
 MIN_KILLS, SYNCER_KILLS, STORE_KILLS = 20, (0.2, 0.45, 0.7), (0.3, 0.55, 0.8)  # kills at fractions of the run
@@ -184,6 +187,18 @@ def disk_check(store_dir: Path) -> dict:
     return {"files": files, "corrupt": bad, "nonfinite": nonfinite, "quarantined": quarantined}
 
 
+def ledger_entries(cfg, store_dir: Path) -> dict[tuple[int, int], dict]:
+    """(learner, fragment) → its ledger entry, from the store directory as a restarting store reads it."""
+    from dloco.store import StoreCore
+
+    bp = build.blueprint(cfg)
+    core = StoreCore(store_dir, list(bp.initial), build.initial_outer(cfg, bp), lock_wait_s=30.0)
+    try:
+        return {(m, p): dict(e) for p in range(bp.plan.count) for m, e in core.last_merged(p).items()}
+    finally:
+        core.close()
+
+
 def run_one(algorithm: str, seconds: float, seed: int, cpu_limit: float, run_dir: Path) -> dict:
     import ray
 
@@ -227,9 +242,12 @@ def run_one(algorithm: str, seconds: float, seed: int, cpu_limit: float, run_dir
     P = cfg.fragments.count
     ledger = {int(m): sum(v) / P for m, v in (store.get("tokens_merged") or {}).items()}
     driver = {int(m): v["merged_tokens"] for m, v in (summary.get("learner_time") or {}).items()}
-    ledger_ok = bool(ledger) and all(
-        driver.get(m, 0.0) <= ledger[m] * (1 + 1e-9) + 1 and ledger[m] <= trained.get(m, 0) for m in ledger
-    )
+    entries = ledger_entries(cfg, run_dir / "store")
+    once = [
+        e["tokens"] <= int(e.get("high", e["step"])) * build.learner_batch_size(cfg, m) * cfg.data.seq_len
+        for (m, _), e in entries.items()
+    ]
+    ledger_ok = bool(ledger) and all(once) and all(driver.get(m, 0.0) <= ledger[m] * (1 + 1e-9) + 1 for m in ledger)
     settle = 10.0 if quick else 30.0  # a --quick run kills its store and syncer every 20 s or so
     rss = {name: rss_growth(samples, name, WARMUP_S + settle, settle) for name in ("driver", "store", "syncer")}
     # a 15-minute run must see MIN_KILLS; a shorter (--quick) one at least half its share of them
@@ -268,7 +286,12 @@ def run_one(algorithm: str, seconds: float, seed: int, cpu_limit: float, run_dir
         "restarts": summary.get("restarts"),
         "errors": summary.get("errors"),
         "error": summary.get("error"),
-        "ledger": {"store": ledger, "driver": driver, "trained": trained},
+        "ledger": {
+            "store": ledger,
+            "driver": driver,
+            "trained_seen": trained,
+            "entries": {f"{m}/{p}": e for (m, p), e in entries.items()},
+        },
         "copies": store.get("copies"),
         "rss": rss,
         "memory_samples": samples,
