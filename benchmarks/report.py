@@ -564,6 +564,25 @@ def main(argv: list[str] | None = None) -> int:
         lines += [wan_mod.report(wan), ""]
     else:
         lines += ["## Emulated multi-region link", "", "Not run: `sudo python benchmarks/wan.py`.", ""]
+    tp = load(res / "throughput.json")
+    if tp:
+        lines += [
+            "## Learner throughput by model family (`benchmarks/throughput.py`)",
+            "",
+            f"`{tp['command']}`: one learner's jitted train step on {len(tp['machine']['devices'])} emulated CPU "
+            f"devices sharing {tp['machine']['cpus']} cores, median of {tp['reps']} × {tp['steps']} steps. FSDP "
+            "divides the parameters and AdamW state per device by the device count; on emulated devices its "
+            "gathers cost time without adding compute, so the tokens/s column is not a multi-host speed-up.",
+            "",
+            "| model | sharding | parameters | tokens/s | state MB per device |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {r['model']} | {r['sharding']} | {r['parameters'] / 1e6:.2f} M | {r['tokens_per_s']:,.0f} | "
+                f"{r['state_mb_per_device']:.1f} |"
+                for r in tp["rows"]
+            ),
+            "",
+        ]
     if soak:
         import soak as soak_mod
 
