@@ -31,19 +31,25 @@ def test_dp_config_implies_lock_step_settings_and_rejects_conflicts():
         config.load(overrides=("algorithm=sgd",))
 
 
-def test_dp_with_one_learner_is_plain_adamw_training_bit_for_bit(tiny_run, tmp_path):
-    cfg = dp_cfg(tiny_run, "learners.count=1")
-    run = run_local(cfg, tmp_path, steps=8, devices=1)
-    assert run.store.versions == [8]  # one global update per step
+def plain_adamw(cfg, steps: int) -> dict[str, np.ndarray]:
+    """Learner 0's stream trained for `steps` steps by the plain jitted AdamW step on one device, as
+    a single fragment (what dp with one learner must equal bit for bit)."""
     bp = build.blueprint(cfg)
     mesh = inner.make_mesh(jax.devices()[:1])
     stream = build.stream(cfg, bp.corpus.load_split("train"), 0)
     state = inner.init_state(bp.plan.join(list(bp.initial)), cfg.inner, mesh)
     step = inner.make_train_step(bp.model, cfg.inner, mesh)
-    for t in range(8):
+    for t in range(steps):
         params, opt, _ = step(state.params, state.opt_state, inner.shard_batch(stream.next_batch(), mesh), t)
         state = inner.TrainState(params, opt, t + 1)
-    for n, x in bp.plan.split(state.params)[0].items():
+    return bp.plan.split(state.params)[0]
+
+
+def test_dp_with_one_learner_is_plain_adamw_training_bit_for_bit(tiny_run, tmp_path):
+    cfg = dp_cfg(tiny_run, "learners.count=1")
+    run = run_local(cfg, tmp_path, steps=8, devices=1)
+    assert run.store.versions == [8]  # one global update per step
+    for n, x in plain_adamw(cfg, 8).items():
         np.testing.assert_array_equal(run.store.fragment(0)[1][n], x)
 
 

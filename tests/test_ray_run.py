@@ -319,7 +319,10 @@ def test_learners_whose_corpus_differs_from_the_drivers_refuse_to_start_and_the_
     try:
         summary = h.wait(timeout=180)
         assert summary is not None and summary["error"].startswith("every learner failed: ")
-        assert "its corpus differs from the driver's" in summary["error"] and "000000000000, byte on the driver" in summary["error"]
+        assert (
+            "its corpus differs from the driver's" in summary["error"]
+            and "000000000000, byte on the driver" in summary["error"]
+        )
         failed = [e for e in h.metrics("actor_error") if e["target"].startswith("learner-")]
         assert len(failed) == 2 and all("corpus differs" in e["error"] for e in failed)
         assert not h.metrics("learner_start") and not h.metrics("merge")  # none registered, nothing merged
