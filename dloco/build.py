@@ -56,9 +56,8 @@ def corpus_identity(c: data.Corpus) -> dict[str, str]:
 
 def check_corpus(cfg: RunConfig, c: data.Corpus, expect: dict[str, str] | None, who: str) -> None:
     """Raises `ValueError` (one line) if `c` is not the corpus the driver prepared (`expect`)."""
-    if expect is None or corpus_identity(c) == expect:
+    if expect is None or (mine := corpus_identity(c)) == expect:
         return
-    mine = corpus_identity(c)
     what = "tokenizer" if mine["key"] == expect["key"] else "corpus"
     raise ValueError(
         f"{who}: its {what} differs from the driver's (data.source={cfg.data.source}: key {mine['key'][:12]}, "

@@ -170,7 +170,11 @@ def make_train_step(model: Any, cfg: InnerConfig, mesh: Mesh, sharding: str = "r
         )
 
     def build(params):
-        ps, os_ = tree_shardings(params, mesh, sharding), tree_shardings(tx.init(params), mesh, sharding)
+        # the optimizer state's shapes, without allocating it (`init_state` places the real one)
+        ps, os_ = (
+            tree_shardings(params, mesh, sharding),
+            tree_shardings(jax.eval_shape(tx.init, params), mesh, sharding),
+        )
         return jax.jit(
             step,
             in_shardings=(ps, os_, sharded, replicated),
