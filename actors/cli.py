@@ -24,8 +24,20 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 _last = [0.0]
 
 
+def _preparing(status: dict) -> None:
+    """Corpus preparation: one updating line on a terminal; otherwise a line as each stage ends."""
+    stage, done, total = status["preparing"], status["done"], status["total"]
+    if not sys.stderr.isatty() and done < total:
+        return
+    line = f"preparing the corpus: {stage} {done:,}/{total:,}" + (" done" if done >= total else "")
+    sys.stderr.write(f"\r{line}\033[K" + ("\n" if done >= total else "") if sys.stderr.isatty() else f"{line}\n")
+    sys.stderr.flush()
+
+
 def _progress(status: dict) -> None:
     """A progress bar on a terminal; a line every 10 s otherwise (logs, ray job submit)."""
+    if "preparing" in status:
+        return _preparing(status)
     tty = sys.stderr.isatty()
     if not tty and status["elapsed_s"] - _last[0] < 10:
         return

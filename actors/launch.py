@@ -131,7 +131,8 @@ def start(
     `run_dir` defaults to ``{cfg.run_dir}/{date-time}``. A directory that already holds a run is
     continued only with `resume` (the store restores its snapshot and log), and only if the config's
     fingerprint matches the run's. Returns at once with a `RunHandle`; the run stops by itself at
-    its budget.
+    its budget. `progress` is called with `RunHandle.status()` as the run goes, and before that with
+    ``{"preparing": stage, "done": n, "total": N}`` while the corpus is prepared (`dloco.data.Progress`).
 
     In order, so that a bad input ends with one line, nothing written and no Ray left running:
     `dloco.preflight.check` (run dir, corpus, data, model, memory, resume rules; writes nothing) →
@@ -147,7 +148,12 @@ def start(
       ConnectionError: the cluster does not answer.
     """
     local = not (address or os.environ.get("RAY_ADDRESS"))
-    pf = preflight.check(cfg, preflight.resolve_run_dir(cfg, run_dir), resume, local=local)
+
+    def preparing(stage: str, done: int, total: int) -> None:
+        if progress:
+            progress({"preparing": stage, "done": done, "total": total})
+
+    pf = preflight.check(cfg, preflight.resolve_run_dir(cfg, run_dir), resume, local=local, progress=preparing)
     needed = int(sum(g.num_cpus for g in cfg.learners.expand())) + 1
     owns = connect(address, num_cpus=max(needed, os.cpu_count() or 1), object_store_mb=cfg.store.object_store_mb)
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from flax import linen as nn
@@ -32,8 +33,9 @@ class Blueprint:
         return embedding_names(self.plan.names)
 
 
-def corpus(cfg: RunConfig) -> data.Corpus:
-    """The tokenized corpus of `cfg.data` (prepared once, then read from the cache)."""
+def corpus(cfg: RunConfig, tokenizer: bytes | None = None, progress: data.Progress | None = None) -> data.Corpus:
+    """The tokenized corpus of `cfg.data` (prepared once, then read from the cache); `tokenizer` is
+    the driver's ``tokenizer.json`` (`corpus_identity`), used instead of training or reading one."""
     d = cfg.data
     return data.prepare_corpus(
         d.source,
@@ -43,34 +45,43 @@ def corpus(cfg: RunConfig) -> data.Corpus:
         max_bytes=d.max_bytes,
         cache_dir=Path(d.cache_dir).expanduser(),
         text_field=d.text_field,
+        given_tokenizer=tokenizer,
+        progress=progress,
     )
 
 
-def corpus_identity(c: data.Corpus) -> dict[str, str]:
-    """What makes two actors' corpora the same: the cache key (the documents and how they were
-    split and tokenized) and the tokenizer itself (a BPE trained on another node may differ)."""
+def corpus_identity(c: data.Corpus) -> dict[str, Any]:
+    """What the driver sends every learner: the cache key (the documents and how they were split
+    and tokenized), the tokenizer's digest, and the tokenizer itself (``tokenizer_json``, None for
+    bytes), so that no node trains its own BPE or needs the ``file:`` tokenizer."""
     tok = c.path / "tokenizer.json"
-    digest = hashlib.blake2b(tok.read_bytes(), digest_size=16).hexdigest() if tok.exists() else c.tokenizer
-    return {"key": c.key, "tokenizer": digest}
+    raw = tok.read_bytes() if tok.exists() else None
+    digest = hashlib.blake2b(raw, digest_size=16).hexdigest() if raw is not None else c.tokenizer
+    return {"key": c.key, "tokenizer": digest, "tokenizer_json": raw}
 
 
-def check_corpus(cfg: RunConfig, c: data.Corpus, expect: dict[str, str] | None, who: str) -> None:
+def check_corpus(cfg: RunConfig, c: data.Corpus, expect: dict[str, Any] | None, who: str) -> None:
     """Raises `ValueError` (one line) if `c` is not the corpus the driver prepared (`expect`)."""
-    if expect is None or (mine := corpus_identity(c)) == expect:
+    mine = corpus_identity(c)
+    if expect is None or all(mine[k] == expect[k] for k in ("key", "tokenizer")):
         return
-    what = "tokenizer" if mine["key"] == expect["key"] else "corpus"
+    same_docs = mine["key"] == expect["key"]
     raise ValueError(
-        f"{who}: its {what} differs from the driver's (data.source={cfg.data.source}: key {mine['key'][:12]}, "
-        f"tokenizer {mine['tokenizer'][:12]} here; {expect['key'][:12]}, {expect['tokenizer'][:12]} on the driver): "
-        "every node needs the same corpus files and tokenizer (stdlib differs between Python patch versions; "
-        "use data.tokenizer=file:PATH to share one BPE)"
+        f"{who}: its {'tokenizer' if same_docs else 'corpus'} differs from the driver's (data.source="
+        f"{cfg.data.source}: key {mine['key'][:12]}, tokenizer {mine['tokenizer'][:12]} here; {expect['key'][:12]}, "
+        f"{expect['tokenizer'][:12]} on the driver): "
+        + (
+            f"this node's cache ({c.path}) holds the corpus tokenized otherwise: remove it"
+            if same_docs
+            else "every node needs the same corpus files (stdlib differs between Python patch versions)"
+        )
     )
 
 
-def blueprint(cfg: RunConfig) -> Blueprint:
-    """Corpus, model, plan and the initial parameters: from `jax.random.PRNGKey(cfg.seed)`, or the
-    weights `model.init_from` names."""
-    c = corpus(cfg)
+def blueprint(cfg: RunConfig, tokenizer: bytes | None = None) -> Blueprint:
+    """Corpus (tokenized with `tokenizer`, the driver's, if given), model, plan and the initial
+    parameters: from `jax.random.PRNGKey(cfg.seed)`, or the weights `model.init_from` names."""
+    c = corpus(cfg, tokenizer)
     m = model.build(cfg.model, c.vocab_size)
     if cfg.model.init_from:
         from dloco.export import initial_params

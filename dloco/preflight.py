@@ -56,12 +56,13 @@ def resolve_run_dir(cfg: RunConfig, run_dir: str | os.PathLike | None = None) ->
     return Path(run_dir or Path(cfg.run_dir) / time.strftime("%Y%m%d-%H%M%S")).expanduser()
 
 
-def check(cfg: RunConfig, run_dir: str | os.PathLike, resume: bool = False, *, local: bool = True) -> Preflight:
+def check(cfg: RunConfig, run_dir: str | os.PathLike, resume: bool = False, *, local: bool = True, progress=None):
     """Checks everything about the run that needs no Ray, writing nothing; raises `PreflightError`.
-    `local`: the learners run on this machine (a local cluster), so their memory is checked here too."""
+    `local`: the learners run on this machine (a local cluster), so their memory is checked here too.
+    `progress`: `data.Progress`, while the corpus is prepared. Returns the `Preflight`."""
     path = Path(run_dir)
     _check_run_dir(path, resume)
-    check_data(cfg, corpus := _corpus(cfg))
+    check_data(cfg, corpus := _corpus(cfg, progress))
     check_memory(cfg, fp := fingerprint(cfg, corpus), local)
     if cfg.model.init_from and not resume:  # readable, and of this model (ValueError, OSError: one line)
         export.initial_params(cfg.model.init_from, cfg, corpus.vocab_size, cfg.data.seq_len)
@@ -141,10 +142,10 @@ def _check_unlocked(run_dir: Path) -> None:
 
 
 # ---- data --------------------------------------------------------------------------------------
-def _corpus(cfg: RunConfig) -> data.Corpus:
+def _corpus(cfg: RunConfig, progress=None) -> data.Corpus:
     d = cfg.data
     try:
-        return build.corpus(cfg)
+        return build.corpus(cfg, progress=progress)
     except OSError as e:
         cache = str(Path(d.cache_dir).expanduser().absolute())
         where = str(Path(e.filename).absolute()) if e.filename else ""

@@ -35,6 +35,13 @@
 # Env: PYTHON (default: `python` on PATH; the venv with ray and dloco), TWO_NODE_JOB_TIMEOUT
 # (seconds for the job, default 360), TWO_NODE_JOB_KEEP=1 (keep the temp dir: Ray logs, job log,
 # run dir; processes and namespaces are removed all the same).
+#
+# Data (issue: prepared once, verified everywhere): each node has its own HOME, so its own copy of
+# the corpus (~/corpus, the same files on both) and its own corpus cache (~/dloco-cache). The job
+# trains a BPE tokenizer on the driver (head); the worker's learner must tokenize with the driver's
+# tokenizer, which it receives from the run (its cache says tokenizer_from "given"), and arrive at
+# the driver's corpus key. A second job, after one of the worker's files is changed, must see the
+# worker's learner refuse to start with one line while the head's learner trains on.
 set -uo pipefail
 
 log() { printf 'two_node_job: %s\n' "$*"; }
@@ -154,14 +161,24 @@ log "network: $NS_H h0 $HEAD_IP/30 <-> $NS_W w0 $WORKER_IP/30"
 
 WORK=$(mktemp -d "/tmp/dl2n-$$-XXXX")  # short: Ray's unix socket paths live under it
 RUN_DIR=$WORK/run
-mkdir -p "$WORK/h" "$WORK/w"
+mkdir -p "$WORK/h" "$WORK/w" "$WORK/home-h/corpus" "$WORK/home-w/corpus"
+# The same documents on both nodes: standard-library modules, as text files.
+"$PY" - "$WORK/home-h/corpus" "$WORK/home-w/corpus" <<'PYEOF' || die "cannot write the nodes' corpora"
+import pathlib, shutil, sys, sysconfig
+src = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("[a-f]*.py"))
+for dest in sys.argv[1:]:
+    for f in src:
+        shutil.copyfile(f, pathlib.Path(dest) / (f.stem + ".txt"))
+PYEOF
+DATA_SET=(--set 'data.source=text:~/corpus/*.txt' --set data.tokenizer=bpe --set data.vocab_size=512
+  --set 'data.cache_dir=~/dloco-cache')
 
 # Every Ray command: the same auth mode, no usage stats, no RAY_ADDRESS of the caller. Cluster mode
 # stays on (=1): inside the namespaces the only non-loopback address is the veth one.
 RAY_ENV=(env -u RAY_ADDRESS RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3)
-IN_H=(ip netns exec "$NS_H" "${RAY_ENV[@]}")
-IN_W=(ip netns exec "$NS_W" "${RAY_ENV[@]}")
+IN_H=(ip netns exec "$NS_H" "${RAY_ENV[@]}" HOME="$WORK/home-h")
+IN_W=(ip netns exec "$NS_W" "${RAY_ENV[@]}" HOME="$WORK/home-w")
 
 diagnose() {
   local d f
@@ -208,12 +225,17 @@ log "cluster up: 2 nodes, resources region_a (head) and region_b (worker)"
 # ---- the job ------------------------------------------------------------------------------------
 # .git is excluded by Ray; the rest is excluded here (runs/ and caches can be large).
 EXCLUDES='{"excludes": ["runs/", ".hypothesis/", ".pytest_cache/", ".ruff_cache/", "benchmarks/results/", "*.egg-info/", "__pycache__/", ".venv/", "venv/"]}'
-log "submitting: $PY -m actors.cli train --config $CONFIG_REL (timeout ${JOB_TIMEOUT}s)"
+submit() {  # submit LOG RUN_DIR [ARGS...]: the job, from inside the head's namespace
+  local out=$1 run_dir=$2
+  shift 2
+  run_waiting "$out" timeout "$JOB_TIMEOUT" "${IN_H[@]}" \
+    "$RAY" job submit --address="http://$HEAD_IP:$DASH_PORT" \
+    --working-dir="$REPO" --runtime-env-json="$EXCLUDES" -- \
+    "$PY" -m actors.cli train --config "$CONFIG_REL" "${DATA_SET[@]}" --run-dir "$run_dir" --quiet "$@"
+}
+log "submitting: $PY -m actors.cli train --config $CONFIG_REL ${DATA_SET[*]} (timeout ${JOB_TIMEOUT}s)"
 job_start=$SECONDS
-run_waiting "$WORK/job.log" timeout "$JOB_TIMEOUT" "${IN_H[@]}" \
-  "$RAY" job submit --address="http://$HEAD_IP:$DASH_PORT" \
-  --working-dir="$REPO" --runtime-env-json="$EXCLUDES" -- \
-  "$PY" -m actors.cli train --config "$CONFIG_REL" --run-dir "$RUN_DIR" --quiet
+submit "$WORK/job.log" "$RUN_DIR"
 job_rc=$?
 job_s=$((SECONDS - job_start))
 if [ "$job_rc" != 0 ]; then
@@ -228,9 +250,9 @@ log "job output (dloco train on the head, ${job_s}s incl. upload):"
 awk '/^Running entrypoint/ {on = 1; next} on && !/^[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9] / {print "    " $0}' "$WORK/job.log"
 
 # ---- verification -------------------------------------------------------------------------------
-HEAD_IP=$HEAD_IP WORKER_IP=$WORKER_IP JOB_S=$job_s TOTAL_S=$((SECONDS - START_S)) \
+HEAD_IP=$HEAD_IP WORKER_IP=$WORKER_IP JOB_S=$job_s TOTAL_S=$((SECONDS - START_S)) WORK=$WORK \
   "$PY" - "$RUN_DIR/summary.json" <<'PYEOF'
-import json, os, sys
+import glob, json, os, sys
 
 s = json.load(open(sys.argv[1]))
 head, worker = os.environ["HEAD_IP"], os.environ["WORKER_IP"]
@@ -257,14 +279,61 @@ if not s["merges"] > 0:
     errors.append(f"no merges (merges={s['merges']})")
 if not s["eval_loss_end"] < s["eval_loss_start"]:
     errors.append(f"eval loss did not fall: {s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f}")
+# Each node's corpus cache: the head's BPE was trained there, the worker's came from the driver.
+caches = {}
+for node in ("h", "w"):
+    metas = [json.load(open(p)) for p in glob.glob(f"{os.environ['WORK']}/home-{node}/dloco-cache/*/meta.json")]
+    caches[node] = metas[0] if len(metas) == 1 else None
+    if len(metas) != 1:
+        errors.append(f"node {node}: {len(metas)} corpora in its cache, expected 1")
+if caches["h"] and caches["w"]:
+    h, w = caches["h"], caches["w"]
+    print(f"corpus key {h['key'][:16]}: head tokenizer {h['tokenizer_from']}, worker tokenizer {w['tokenizer_from']}")
+    if (h["tokenizer_from"], w["tokenizer_from"]) != ("trained", "given"):
+        errors.append(f"tokenizer_from head {h['tokenizer_from']!r}, worker {w['tokenizer_from']!r}: "
+                      "expected 'trained' on the driver's node and 'given' on the worker")
+    if h["key"] != w["key"]:
+        errors.append(f"corpus keys differ: head {h['key'][:16]}, worker {w['key'][:16]}")
 for e in errors:
     print(f"two_node_job: FAIL: {e}")
 if errors:
     sys.exit(1)
 print(f"two_node_job: OK: learner 0 on head {head}, learner 1 on worker {worker}, "
-      f"{s['merges']} merges, eval loss {s['eval_loss_start']:.3f} -> {s['eval_loss_end']:.3f}")
+      f"{s['merges']} merges, eval loss {s['eval_loss_start']:.3f} -> {s['eval_loss_end']:.3f}, "
+      "the worker tokenized with the driver's tokenizer")
 PYEOF
 rc=$?
 [ "$rc" = 0 ] || { diagnose; exit 1; }
+
+# ---- a node whose corpus differs is refused -----------------------------------------------------
+first=$(cd "$WORK/home-w/corpus" && ls | sort | head -n 1)
+printf '\n# a line only the worker has\n' >>"$WORK/home-w/corpus/$first"
+log "changed the worker's copy of $first; submitting again"
+submit "$WORK/job2.log" "$WORK/run2" --set budget.tokens=8000
+job2_rc=$?
+[ -s "$WORK/run2/metrics.jsonl" ] || { cat "$WORK/job2.log"; die "the second job (rc $job2_rc) wrote no metrics"; }
+"$PY" - "$WORK/run2/metrics.jsonl" <<'PYEOF'
+import json, sys
+
+events = [json.loads(line) for line in open(sys.argv[1])]
+errors = [e for e in events if e["event"] == "actor_error" and e["target"] == "learner-1"]
+started = sorted({e["learner"] for e in events if e["event"] == "learner_start"})
+merges = sum(e["event"] == "merge" for e in events)
+if len(errors) == 1:
+    print(f"    learner-1: {errors[0]['error']}")
+problems = []
+if len(errors) != 1 or "learner 1: its corpus differs from the driver's" not in errors[0]["error"]:
+    problems.append(f"expected one 'learner 1: its corpus differs from the driver's' error, got {errors}")
+elif "\n" in errors[0]["error"]:
+    problems.append("the refusal is more than one line")
+if started != [0] or not merges:
+    problems.append(f"expected learner 0 alone to start and merge: started {started}, {merges} merges")
+for p in problems:
+    print(f"two_node_job: FAIL: {p}")
+if problems:
+    sys.exit(1)
+print(f"two_node_job: OK: the worker with a changed corpus was refused; learner 0 merged {merges} times alone")
+PYEOF
+[ $? = 0 ] || { tail -n 40 "$WORK/job2.log"; exit 1; }
 log "done in $((SECONDS - START_S)) s (cleanup follows)"
 exit 0

@@ -24,7 +24,21 @@ def test_bad_input_is_one_line_and_nonzero(args, message):
     out = dloco(*args)
     assert out.returncode == 2
     assert message in out.stderr
-    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    lines = [x for x in out.stderr.strip().splitlines() if not x.startswith("preparing the corpus: ")]
+    assert "Traceback" not in out.stderr and len(lines) == 1, out.stderr  # a cold corpus cache adds progress
+
+
+def test_corpus_preparation_shows_a_line_per_stage_when_not_on_a_terminal(capsys):
+    from actors import cli
+
+    for done in (0, 400, 1000):
+        cli._progress({"preparing": "reading", "done": done, "total": 1000})
+    cli._progress({"preparing": "tokenizing", "done": 512, "total": 1000})
+    cli._progress({"preparing": "tokenizing", "done": 1000, "total": 1000})
+    assert capsys.readouterr().err.splitlines() == [
+        "preparing the corpus: reading 1,000/1,000 done",
+        "preparing the corpus: tokenizing 1,000/1,000 done",
+    ]
 
 
 def test_existing_run_dir_needs_resume(tmp_path):

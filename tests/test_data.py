@@ -439,3 +439,80 @@ def test_uri_sources_read_through_pyarrow_fs_like_local_paths(tmp_path):
     assert sorted(corpus.doc_ids("train") + corpus.doc_ids("val")) == sorted(TEXT_DOCS)
     with pytest.raises(FileNotFoundError, match="matches no files"):
         data.read_documents(f"text:file://{tmp_path}/nowhere/*.txt")
+
+
+def test_splits_are_memory_mapped_from_one_flat_arrow_file_per_split(tmp_path):
+    """Learners on one node share the page cache: `load_split` maps ``{split}.arrow`` read-only
+    (no copy in the process's heap); a cache from before that file existed gets it on first load."""
+    docs = {f"d{i:02d}.txt": f"document {i} " * (5 + i) for i in range(40)}
+    corpus = prepare_corpus(_write_text_docs(tmp_path / "docs", docs), cache_dir=tmp_path / "cache")
+    expected = {n: Tokenizer.byte().encode(t, eos=True) for n, t in docs.items()}
+    for split in ("train", "val"):
+        tokens = corpus.load_split(split)
+        np.testing.assert_array_equal(tokens, _expected_split(corpus, split, expected))
+        assert tokens.dtype == np.uint16 and not tokens.flags.writeable and not tokens.flags.owndata
+        with open("/proc/self/maps") as maps:  # the file itself is mapped into this process
+            assert str(corpus.path / f"{split}.arrow") in maps.read()
+    (corpus.path / "val.arrow").unlink()  # as a cache written by an older dloco
+    np.testing.assert_array_equal(corpus.load_split("val"), _expected_split(corpus, "val", expected))
+    assert (corpus.path / "val.arrow").is_file()
+    assert (corpus.train_tokens, corpus.val_tokens) == (len(corpus.load_split("train")), len(corpus.load_split("val")))
+
+
+def test_a_node_given_the_drivers_tokenizer_uses_it_instead_of_training_or_reading_its_own(tmp_path):
+    """On a cluster the driver prepares the corpus once and sends its tokenizer: a learner's node
+    tokenizes its own copy of the documents with it (no BPE of its own, no tokenizer file needed)
+    and arrives at the driver's key, tokenizer digest and token ids."""
+    from dloco import build
+
+    docs = {
+        f"d{i:02d}.txt": " ".join(["alpha", "beta", "gamma", "outer", "inner"][(i + j) % 5] for j in range(80))
+        for i in range(20)
+    }
+    source = _write_text_docs(tmp_path / "docs", docs)
+    driver = prepare_corpus(source, tokenizer="bpe", vocab_size=300, cache_dir=tmp_path / "driver")
+    shipped = build.corpus_identity(driver)
+    assert shipped["tokenizer_json"] == (driver.path / "tokenizer.json").read_bytes()
+    node = prepare_corpus(
+        source, tokenizer="bpe", vocab_size=300, cache_dir=tmp_path / "node", given_tokenizer=shipped["tokenizer_json"]
+    )
+    metas = [json.loads((c.path / "meta.json").read_text()) for c in (driver, node)]
+    assert [m["tokenizer_from"] for m in metas] == ["trained", "given"]
+    assert node.key == driver.key and build.corpus_identity(node) == shipped
+    np.testing.assert_array_equal(node.load_split("train"), driver.load_split("train"))
+
+    _pretrained(tmp_path / "tok.json")  # file:PATH: the path exists on the driver only
+    on_driver = prepare_corpus(source, tokenizer=f"file:{tmp_path / 'tok.json'}", cache_dir=tmp_path / "d2")
+    raw = (tmp_path / "tok.json").read_bytes()
+    elsewhere = prepare_corpus(
+        source, tokenizer="file:/no/such/tok.json", cache_dir=tmp_path / "n2", given_tokenizer=raw
+    )
+    assert elsewhere.key == on_driver.key  # the key names the file's content, not its path
+    assert json.loads((elsewhere.path / "meta.json").read_text())["tokenizer_from"] == "given"
+    np.testing.assert_array_equal(elsewhere.load_split("train"), on_driver.load_split("train"))
+
+
+def test_preparing_a_corpus_reports_each_stage(tmp_path):
+    docs = {f"d{i:04d}.txt": f"alpha beta {i} " * 20 for i in range(1200)}
+    source = _write_text_docs(tmp_path / "docs", docs)
+    seen = []
+    prepare_corpus(
+        source, tokenizer="bpe", vocab_size=300, cache_dir=tmp_path / "c", progress=lambda *a: seen.append(a)
+    )
+    reading = [a for a in seen if a[0] == "reading"]
+    assert reading[0] == ("reading", 0, 1200) and reading[-1] == ("reading", 1200, 1200) and len(reading) == 1201
+    rest = [a for a in seen if a[0] != "reading"]
+    assert rest == [
+        ("training tokenizer", 0, 1),
+        ("training tokenizer", 1, 1),
+        ("tokenizing", 512, 1200),
+        ("tokenizing", 1024, 1200),
+        ("tokenizing", 1200, 1200),
+        ("writing", 1, 2),
+        ("writing", 2, 2),
+    ]
+    seen.clear()
+    prepare_corpus(
+        source, tokenizer="bpe", vocab_size=300, cache_dir=tmp_path / "c", progress=lambda *a: seen.append(a)
+    )
+    assert {a[0] for a in seen} == {"reading"}  # cached: the documents are read (to key them), nothing else

@@ -91,7 +91,12 @@ class DataConfig:
     """Corpus, tokenizer and windows. `source`: stdlib | shakespeare | text:GLOB | jsonl:GLOB |
     parquet:GLOB; `text_field`: the JSON field or Parquet column holding a document's text;
     `tokenizer`: byte | bpe (trained on the corpus, `vocab_size`) | file:PATH (a pretrained HF
-    tokenizer.json, whose EOS is the first of <|eos|>, <|endoftext|>, <|end_of_text|>, </s>, <eos>)."""
+    tokenizer.json, whose EOS is the first of <|eos|>, <|endoftext|>, <|end_of_text|>, </s>, <eos>).
+    A GLOB may be a URI (gs://, s3://, hdfs://, file://). The driver prepares the corpus once (into
+    `cache_dir`, keyed by content) and sends each learner its tokenizer and the corpus key: a
+    learner's node tokenizes its own copy of the documents with the driver's tokenizer (no BPE of
+    its own, no tokenizer file needed) and refuses to start if its key differs. Token splits are
+    memory-mapped Arrow files, shared by the learners of a node."""
 
     source: str = "stdlib"
     text_field: str = "text"

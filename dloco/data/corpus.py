@@ -1,4 +1,5 @@
-"""A corpus split by document hash into train/validation, tokenized and cached as Parquet shards."""
+"""A corpus split by document hash into train/validation, tokenized and cached as Parquet shards
+(with document names) plus one flat Arrow IPC file per split that learners memory-map."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, cast
 
@@ -25,6 +26,10 @@ SHARD_MAX_DOCS = 1024
 SHARD_MAX_TOKENS = 4_000_000
 
 Split = Literal["train", "val"]
+# progress(stage, done, total) while a corpus is prepared: "reading" (files), "training tokenizer"
+# (0 of 1, then 1 of 1), "tokenizing" (documents), "writing" (splits)
+Progress = Callable[[str, int, int], None]
+TOKENIZE_CHUNK = 512  # documents per batch encode (one progress report each)
 
 
 def _content_digest(content: bytes | np.ndarray) -> bytes:
@@ -81,9 +86,24 @@ class Corpus:
         return sorted(self.path.glob(f"{split}-*.parquet"))
 
     def load_split(self, split: Split) -> np.ndarray:
-        """Returns the split's tokens as one flat array: documents in order, each ending in EOS."""
+        """Returns the split's tokens as one flat read-only array (documents in order, each ending in
+        EOS), memory-mapped from ``{split}.arrow``: learners on one node share the page cache instead
+        of each holding a copy. A cache written before that file existed gets it here (from the
+        Parquet shards); a cache that cannot be written is read into memory instead."""
+        shards = self._shards(split)
+        flat = self.path / f"{split}.arrow"
+        if not flat.exists():
+            tokens = self._read_shards(shards)
+            try:
+                _write_flat(flat, tokens)
+            except OSError:
+                return tokens
+        column = pa.ipc.open_file(pa.memory_map(str(flat), "r")).get_batch(0).column(0)
+        return column.to_numpy(zero_copy_only=True)
+
+    def _read_shards(self, shards: list[Path]) -> np.ndarray:
         parts = []
-        for shard in self._shards(split):
+        for shard in shards:
             column = pq.read_table(shard, columns=["tokens"]).column("tokens")
             parts += [chunk.flatten().to_numpy(zero_copy_only=False) for chunk in column.chunks]
         if not parts:
@@ -120,6 +140,15 @@ def _read_meta(path: Path, cached: bool) -> Corpus:
     )
 
 
+def _write_flat(path: Path, tokens: np.ndarray) -> None:
+    """Writes ``tokens`` as one uncompressed Arrow IPC record batch (column ``tokens``), atomically."""
+    batch = pa.record_batch([pa.array(tokens)], names=["tokens"])
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    os.replace(tmp, path)
+
+
 def _write_split(out: Path, split: str, names: list[str], ids: list[np.ndarray], dtype) -> int:
     """Writes shards of at most SHARD_MAX_DOCS docs / ~SHARD_MAX_TOKENS tokens; returns tokens."""
     groups, start, count = [], 0, 0
@@ -137,6 +166,7 @@ def _write_split(out: Path, split: str, names: list[str], ids: list[np.ndarray],
         tokens = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
         table = pa.table({"doc_id": pa.array(names[lo:hi], pa.string()), "tokens": tokens}, schema=schema)
         pq.write_table(table, out / f"{split}-{shard:05d}.parquet")
+    _write_flat(out / f"{split}.arrow", np.concatenate(ids).astype(dtype) if ids else np.zeros(0, dtype))
     return int(sum(len(d) for d in ids))
 
 
@@ -149,6 +179,8 @@ def prepare_corpus(
     max_bytes: int = 0,
     cache_dir: str | os.PathLike,
     text_field: str = "text",
+    given_tokenizer: bytes | None = None,
+    progress: Progress | None = None,
 ) -> Corpus:
     """Reads, splits, tokenizes and caches a corpus; returns the cached one if present.
 
@@ -170,6 +202,11 @@ def prepare_corpus(
       cache_dir: directory holding one ``<key[:16]>`` subdirectory per corpus.
       text_field: the JSON field or Parquet column of a document's text (see :func:`read_documents`;
         the key covers every document's content, so another field is another corpus).
+      given_tokenizer: the ``tokenizer.json`` another process prepared (a run's driver): used
+        instead of training a BPE here, or instead of reading ``file:PATH`` (which then need not
+        exist here), so that every node tokenizes with the same ids. ``meta.json`` records
+        ``tokenizer_from``: ``"trained"``, ``"file"`` or ``"given"``.
+      progress: called as ``progress(stage, done, total)`` while the corpus is prepared (`Progress`).
 
     Returns:
       The :class:`Corpus`; ``cached`` is True when nothing was tokenized.
@@ -179,15 +216,16 @@ def prepare_corpus(
     """
     pretrained = None
     if tokenizer.startswith("file:"):  # a pretrained tokenizer.json: the corpus is keyed by its content
-        pretrained = Path(tokenizer[5:]).expanduser().read_bytes()
-        Tokenizer.from_file(Path(tokenizer[5:]).expanduser())  # loads, and has an EOS (else ValueError)
+        if given_tokenizer is None:
+            Tokenizer.from_file(Path(tokenizer[5:]).expanduser())  # loads, and has an EOS (else ValueError)
+        pretrained = given_tokenizer or Path(tokenizer[5:]).expanduser().read_bytes()
     elif tokenizer not in ("byte", "bpe"):
         raise ValueError(f"tokenizer must be 'byte', 'bpe' or 'file:PATH' (a tokenizer.json), got {tokenizer!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0 (0 = no limit), got {max_bytes}")
-    docs = read_documents(source, max_bytes, text_field)
+    docs = read_documents(source, max_bytes, text_field, progress)
     pretokenized = isinstance(docs[0][1], np.ndarray)
     if tokenizer == "bpe" and not pretokenized and vocab_size is None:
         vocab_size = DEFAULT_BPE_VOCAB_SIZE
@@ -228,19 +266,28 @@ def prepare_corpus(
             vocab, eos_id = vocab_size or vocab, -1
         else:
             texts = [cast(bytes, content).decode("utf-8") for _, content in docs]
+            origin = "given" if given_tokenizer is not None else "file" if pretrained is not None else "trained"
+            pretrained = given_tokenizer if tokenizer == "bpe" else pretrained
             if tokenizer == "byte":
-                tok = Tokenizer.byte()
+                tok, origin = Tokenizer.byte(), "byte"
             elif pretrained is not None:
                 (tmp / "tokenizer.json").write_bytes(pretrained)
                 tok = Tokenizer.from_file(tmp / "tokenizer.json")
             else:
                 assert vocab_size is not None  # set to DEFAULT_BPE_VOCAB_SIZE above
+                _report(progress, "training tokenizer", 0, 1)
                 tok = _train_bpe([t for t, v in zip(texts, is_val, strict=True) if not v], vocab_size)
                 tok._backend.save(str(tmp / "tokenizer.json"))
-            ids = tok._encode_documents(texts)
+                _report(progress, "training tokenizer", 1, 1)
+            ids = []
+            for lo in range(0, len(texts), TOKENIZE_CHUNK):
+                ids += tok._encode_documents(texts[lo : lo + TOKENIZE_CHUNK])
+                _report(progress, "tokenizing", len(ids), len(texts))
             vocab, eos_id = tok.vocab_size, tok.eos_id
         dtype = _token_dtype(vocab)
         meta = {"key": key, **header, "vocab_size": vocab, "eos_id": eos_id, "dtype": dtype.name}
+        if not pretokenized:
+            meta["tokenizer_from"] = origin
         if pretrained is not None and not pretokenized:
             meta["tokenizer"], meta["pretrained"] = "bpe", header["tokenizer"]  # read back as tokenizer.json
         for split, mask in (("train", ~is_val), ("val", is_val)):
@@ -248,6 +295,7 @@ def prepare_corpus(
             names = [docs[i][0] for i in index]
             meta[f"{split}_tokens"] = _write_split(tmp, split, names, [ids[i] for i in index], dtype)
             meta[f"{split}_docs"] = len(index)
+            _report(progress, "writing", 1 + (split == "val"), 2)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
         try:
             os.rename(tmp, final)
@@ -258,3 +306,8 @@ def prepare_corpus(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return _read_meta(final, cached=False)
+
+
+def _report(progress: Progress | None, stage: str, done: int, total: int) -> None:
+    if progress is not None:
+        progress(stage, done, total)

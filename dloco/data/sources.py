@@ -143,7 +143,14 @@ def _iter_parquet(paths: list[str], root: str, field: str = "text", fs: _FS = No
             yield f"{rel}#{row}", tokens
 
 
-def read_documents(source: str, max_bytes: int = 0, text_field: str = "text") -> list[_Doc]:
+def _counted(paths: list[str], progress) -> Iterator[str]:
+    """`paths`, reporting ``progress("reading", files done, files)`` as each one is finished."""
+    for i, path in enumerate(paths):
+        yield path
+        progress("reading", i + 1, len(paths))
+
+
+def read_documents(source: str, max_bytes: int = 0, text_field: str = "text", progress=None) -> list[_Doc]:
     """Reads the documents of ``source`` in sorted order.
 
     Args:
@@ -151,6 +158,7 @@ def read_documents(source: str, max_bytes: int = 0, text_field: str = "text") ->
       max_bytes: if positive, documents are taken in order while their total size stays
         ``<= max_bytes`` (size is UTF-8 bytes, or tokens for pre-tokenized documents).
       text_field: the JSON field, or Parquet column, that holds a document's text.
+      progress: if given, called as ``progress("reading", files done, files)``.
 
     Returns:
       ``(name, content)`` pairs; content is UTF-8 bytes, or int64 ids for a ``tokens`` column.
@@ -173,6 +181,9 @@ def read_documents(source: str, max_bytes: int = 0, text_field: str = "text") ->
         raise FileNotFoundError(f"corpus source {source!r} matches no files")
     docs: list[_Doc] = []
     total = 0
+    if progress is not None:
+        progress("reading", 0, len(paths))
+        paths = _counted(paths, progress)  # type: ignore[assignment]
     if kind == "parquet":
         docs_of = _iter_parquet(paths, root, text_field, fs)
     else:

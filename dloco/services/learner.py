@@ -1,13 +1,12 @@
 """The learner's protocol (ALGORITHM.md §4, §9, §10) around `dloco.learner.LearnerCore`.
 
-On construction a learner checks that its corpus and tokenizer are the driver's (`expect`:
-`build.corpus_identity`; a node with other files refuses to start), registers with the store (a
-new incarnation), installs the
-shadow fragments Θ̂_p and resumes its data stream from its merged cursor. `step` trains one batch and
-sends the pushes that fell due: the payload is put with the transport and announced to the
-syncer. `receive` takes the store's updates: the payload is fetched and queued for install; a delta
-on top of a version the learner does not hold, or a payload that cannot be fetched any more, is
-replaced by a fetch of Θ̂_p in full.
+On construction a learner tokenizes its corpus with the driver's tokenizer and checks that the
+corpus is the driver's (`expect`: `build.corpus_identity`; a node with other files refuses to
+start), registers with the store (a new incarnation), installs the shadow fragments Θ̂_p and resumes
+its data stream from its merged cursor. `step` trains one batch and sends the pushes that fell due:
+the payload is put with the transport and announced to the syncer. `receive` takes the store's
+updates: the payload is fetched and queued for install; a delta on top of a version the learner does
+not hold, or a payload that cannot be fetched any more, is replaced by a fetch of Θ̂_p in full.
 
 Chaos (`dloco.chaos`, decided by the config's seed): a push drawn as lost is not sent. Blocking
 algorithms (dp, elastic_dp, diloco, streaming) wait for the merge of each push; a push whose merge
@@ -38,11 +37,11 @@ class LearnerService:
         transport: Transport,
         clock: Clock,
         mesh,
-        expect: dict[str, str] | None = None,
+        expect: dict | None = None,
     ) -> None:
         self.cfg, self.learner_id = cfg, learner_id
         self.store, self.syncer, self.transport, self.clock = store, syncer, transport, clock
-        bp = build.blueprint(cfg)
+        bp = build.blueprint(cfg, (expect or {}).get("tokenizer_json"))  # the driver's tokenizer, not its own
         build.check_corpus(cfg, bp.corpus, expect, f"learner {learner_id}")  # before it registers
         reg = store.register(learner_id)
         versions, fragments = store.fragments(shadow=True, learner_id=learner_id)
