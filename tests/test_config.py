@@ -1,5 +1,7 @@
 """Config: defaults from ALGORITHM.md §2, presets, YAML + overrides, one-line errors."""
 
+import re
+
 import pytest
 
 from dloco import config
@@ -104,3 +106,21 @@ def test_baselines_install_merges_as_their_papers_do():
         "dp": "overwrite",
         "elastic_dp": "overwrite",
     }
+
+
+def test_numbers_in_any_notation_from_yaml_and_overrides(tmp_path):
+    """PyYAML (YAML 1.1) reads ``3e-4`` and ``2e8`` as strings: they are numbers all the same, an
+    integral one fits an int field, and anything else is still refused naming the field."""
+    cfg = config.load(overrides=("inner.lr=3e-4", "budget.tokens=2e8", "sync.every=1_000", "outer.lr=.7"))
+    assert (cfg.inner.lr, cfg.budget.tokens, cfg.sync.every, cfg.outer.lr) == (3e-4, 200_000_000, 1000, 0.7)
+    assert type(cfg.budget.tokens) is int and type(cfg.inner.lr) is float
+    (tmp_path / "run.yaml").write_text("inner: {lr: 3e-4, weight_decay: 1E-2}\nbudget: {tokens: 2.0e+6}\n")
+    cfg = config.load(tmp_path / "run.yaml")
+    assert (cfg.inner.lr, cfg.inner.weight_decay, cfg.budget.tokens) == (3e-4, 0.01, 2_000_000)
+    for override, message in (
+        ("budget.tokens=2.5e0", "budget.tokens='2.5e0' is invalid: must be an integer"),
+        ("inner.lr=3e-4x", "inner.lr='3e-4x' is invalid: must be a number"),
+        ("budget.tokens=true", "budget.tokens=True is invalid: must be an integer"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config.load(overrides=(override,))

@@ -315,8 +315,10 @@ def test_learners_whose_corpus_differs_from_the_drivers_refuse_to_start_and_the_
 
     real = build.corpus_identity
     monkeypatch.setattr(build, "corpus_identity", lambda c: {**real(c), "key": "0" * 64})  # the driver's only
-    h = start(cfg_for("learners.count=2", "budget.seconds=300"), run_dir=tmp_path)
-    try:
+    with (
+        pytest.raises(RuntimeError, match="the notebook cell failed"),
+        start(cfg_for("learners.count=2", "budget.seconds=300"), run_dir=tmp_path) as h,
+    ):  # `with`: however the block ends, the run is stopped and its actors removed
         summary = h.wait(timeout=180)
         assert summary is not None and summary["error"].startswith("every learner failed: ")
         assert (
@@ -326,5 +328,8 @@ def test_learners_whose_corpus_differs_from_the_drivers_refuse_to_start_and_the_
         failed = [e for e in h.metrics("actor_error") if e["target"].startswith("learner-")]
         assert len(failed) == 2 and all("corpus differs" in e["error"] for e in failed)
         assert not h.metrics("learner_start") and not h.metrics("merge")  # none registered, nothing merged
-    finally:
-        h.stop()
+        raise RuntimeError("the notebook cell failed")
+    for name in ("store", "syncer", "learner-0"):
+        with pytest.raises(ValueError):  # gone: not merely dead-and-restarting
+            ray.get_actor(name, namespace=h.namespace)
+    assert (tmp_path / "summary.json").is_file() and h._metrics_file.closed

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -25,8 +26,19 @@ def _section_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+_NUMBER = re.compile(r"[+-]?(\d[\d_]*(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
+def _number(value: Any) -> Any:
+    """A number in any notation: YAML 1.1 (PyYAML) reads ``3e-4`` or ``2e8`` (no dot) as a string."""
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value.strip().replace("_", ""))
+    return value
+
+
 def _coerce(name: str, value: Any, tp: Any) -> Any:
-    """Checks a YAML/override value against the field type; ints widen to floats."""
+    """Checks a YAML/override value against the field type; ints widen to floats; a number in any
+    notation (``3e-4``, ``2e8``, ``1_000``) is a number, and an integral one fits an int field."""
     origin = typing.get_origin(tp)
     if origin is typing.Union or isinstance(tp, types.UnionType):
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
@@ -34,8 +46,11 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
     if tp is bool:
         _check(isinstance(value, bool), name, value, "must be true or false")
     elif tp is int:
+        if isinstance(n := _number(value), float) and n.is_integer():
+            value = int(n)
         _check(isinstance(value, int) and not isinstance(value, bool), name, value, "must be an integer")
     elif tp is float:
+        value = _number(value)
         _check(isinstance(value, int | float) and not isinstance(value, bool), name, value, "must be a number")
         value = float(value)
     elif tp is str:
