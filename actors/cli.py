@@ -21,9 +21,6 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
-_last = [0.0]
-
-
 def _preparing(status: dict) -> None:
     """Corpus preparation: one updating line on a terminal; otherwise a line as each stage ends."""
     stage, done, total = status["preparing"], status["done"], status["total"]
@@ -34,27 +31,22 @@ def _preparing(status: dict) -> None:
     sys.stderr.flush()
 
 
-def _progress(status: dict) -> None:
-    """A progress bar on a terminal; a line every 10 s otherwise (logs, ray job submit)."""
-    if "preparing" in status:
-        return _preparing(status)
+def _progress(cfg):
+    """The progress display of `dloco train`: a bar redrawn in place on a terminal, a plain line every
+    10 s otherwise (logs, ``ray job submit``); share of the budget, tokens/s, ETA (`dloco.progress`)."""
+    from dloco.progress import ProgressLine
+
     tty = sys.stderr.isatty()
-    if not tty and status["elapsed_s"] - _last[0] < 10:
-        return
-    _last[0] = status["elapsed_s"]
-    budget = status["budget_tokens"] or 1
-    frac = min(1.0, status["tokens_trained"] / budget)
-    bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-    loss = status["eval_loss"]
-    errors = sum(status.get("errors", {}).values())
-    line = (
-        f"[{bar}] {100 * frac:5.1f}%  tokens {status['tokens_trained']:,}  "
-        f"eval {loss:.3f}  merges {status['merges']}  rejected {status['rejected']}  "
-        + (f"ERRORS {errors} (last: {status.get('last_error')})  " if errors else "")
-        + f"{status['elapsed_s']:.0f}s"
-    )
-    sys.stderr.write(f"\r{line}" if tty else f"{line}\n")
-    sys.stderr.flush()
+    lines = ProgressLine(cfg.budget, cfg.learners.count, tty=tty)
+
+    def show(status: dict) -> None:
+        if "preparing" in status:
+            return _preparing(status)
+        if (line := lines(status)) is not None:
+            sys.stderr.write(f"\r{line}\033[K" if tty else f"{line}\n")
+            sys.stderr.flush()
+
+    return show
 
 
 def _expected() -> tuple[type[BaseException], ...]:
@@ -90,24 +82,50 @@ def _message(e: BaseException) -> str:
     return "dloco: " + (" ".join(text.split()) or type(e).__name__)
 
 
+def _sections() -> str:
+    """The config's sections with the first sentence of each one's docstring, for ``--help``."""
+    import dataclasses
+    import typing
+
+    from dloco.config import RunConfig
+
+    hints, rows = typing.get_type_hints(RunConfig), []
+    for f in dataclasses.fields(RunConfig):
+        if dataclasses.is_dataclass(tp := hints[f.name]):
+            doc = " ".join((tp.__doc__ or "").split()).split(". ")[0].rstrip(".")
+            rows.append(f"  {f.name:<12} {doc if len(doc) <= 84 else doc[: doc.rindex(' ', 0, 83)] + ' ...'}")
+    top = [f.name for f in dataclasses.fields(RunConfig) if not dataclasses.is_dataclass(hints[f.name])]
+    return (
+        "config sections (in a --config YAML file, or --set SECTION.KEY=VALUE; every key: docs/CONFIG.md):\n"
+        + "\n".join(rows)
+        + f"\n  {'(top level)':<12} {', '.join(top)}"
+    )
+
+
 def train(args: argparse.Namespace) -> int:
     """Checks and starts the run, watches it, prints its table; 2 on bad input, 1 if the run failed."""
     try:
         from dloco.config import load
 
         cfg = load(args.config, args.set)
-        from actors.launch import start
+        if args.print_config:  # the resolved config, as a --config file that loads to the same run
+            import yaml
+
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+            return 0
+        from actors.launch import start, under_job
 
         handle = start(
             cfg,
             address=args.address,
             run_dir=args.run_dir,
-            progress=None if args.quiet else _progress,
-            resume=args.resume,
+            progress=None if args.quiet else _progress(cfg),
+            resume=True if args.resume else None if under_job() else False,  # a resubmitted job continues
         )
     except _expected() as e:
         print(_message(e), file=sys.stderr)
         return 2
+    print(f"dloco: run dir {handle.run_dir} ({'continuing its run' if handle.resumed else 'new run'})", file=sys.stderr)
     try:
         summary = handle.wait()
     except KeyboardInterrupt:
@@ -174,15 +192,24 @@ def eval_cmd(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dloco", description="Decoupled DiLoCo on Ray.")
+    raw = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser(
+        prog="dloco", description="Decoupled DiLoCo on Ray.", epilog=_sections(), formatter_class=raw
+    )
     sub = ap.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a model (defaults: tiny preset, 4 learners, stdlib corpus, local Ray)")
+    t = sub.add_parser(
+        "train",
+        help="train a model (defaults: tiny preset, 4 learners, stdlib corpus, local Ray)",
+        epilog=_sections(),
+        formatter_class=raw,
+    )
     t.add_argument("--config", help="YAML RunConfig file")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
     t.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a new local cluster)")
     t.add_argument("--run-dir", help="output directory (default: {run_dir}/{date-time})")
     t.add_argument("--resume", action="store_true", help="continue the run already in --run-dir")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p = sub.add_parser("plot", help="PNG figures of one or more run directories (metrics.jsonl)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
     p.add_argument("--out", help="output directory (default: RUN_DIR/plots; for several runs, their parent's plots/)")

@@ -119,18 +119,24 @@ def private_temp_dir() -> str:
     return str(parent / "ray")
 
 
+def under_job() -> bool:
+    """Whether this process is a Ray job's driver (``ray job submit`` sets this variable for it)."""
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
 def start(
     cfg: RunConfig,
     address: str | None = None,
     run_dir: str | os.PathLike | None = None,
     progress=None,
-    resume: bool = False,
+    resume: bool | None = False,
 ) -> RunHandle:
     """Starts the run described by `cfg` on Ray (a new local cluster unless `address`/RAY_ADDRESS).
 
-    `run_dir` defaults to ``{cfg.run_dir}/{date-time}``. A directory that already holds a run is
-    continued only with `resume` (the store restores its snapshot and log), and only if the config's
-    fingerprint matches the run's. Returns at once with a `RunHandle`; the run stops by itself at
+    `run_dir` defaults to ``{cfg.run_dir}/{date-time}`` (under a Ray job, a relative one under
+    ``~``). A directory that already holds a run is continued only with `resume` (the store
+    restores its snapshot and log; None: continue if it holds a run, as a resubmitted job does), and
+    only if the config's fingerprint matches the run's. Returns at once with a `RunHandle`; the run stops by itself at
     its budget. `progress` is called with `RunHandle.status()` as the run goes, and before that with
     ``{"preparing": stage, "done": n, "total": N}`` while the corpus is prepared (`dloco.data.Progress`).
 
@@ -148,12 +154,14 @@ def start(
       ConnectionError: the cluster does not answer.
     """
     local = not (address or os.environ.get("RAY_ADDRESS"))
+    path = preflight.resolve_run_dir(cfg, run_dir, job=under_job())
+    resume = preflight.holds_run(path) if resume is None else resume
 
     def preparing(stage: str, done: int, total: int) -> None:
         if progress:
             progress({"preparing": stage, "done": done, "total": total})
 
-    pf = preflight.check(cfg, preflight.resolve_run_dir(cfg, run_dir), resume, local=local, progress=preparing)
+    pf = preflight.check(cfg, path, resume, local=local, progress=preparing)
     needed = int(sum(g.num_cpus for g in cfg.learners.expand())) + 1
     owns = connect(address, num_cpus=max(needed, os.cpu_count() or 1), object_store_mb=cfg.store.object_store_mb)
     try:
@@ -168,7 +176,9 @@ def start(
         before = set(os.listdir(pf.run_dir)) if existed else set()
         preflight.record(pf, cfg)
         try:
-            return RunHandle(cfg, pf.run_dir, owns, progress)
+            handle = RunHandle(cfg, pf.run_dir, owns, progress)
+            handle.resumed = resume
+            return handle
         except BaseException:
             if not resume:  # the run never started (e.g. its store could not): leave nothing behind
                 _remove_new(pf.run_dir, existed, before)

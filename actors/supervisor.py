@@ -39,6 +39,8 @@ from dloco.tensorboard import TensorBoardSink
 class RunHandle:
     """A running (or finished) run: watch it, change it, stop it. See `actors.launch.start`."""
 
+    resumed = False  # set by `actors.launch.start`: this run continues the one in its run dir
+
     def __init__(self, cfg: RunConfig, run_dir: Path, owns_ray: bool, progress=None) -> None:
         self.cfg, self.run_dir, self.owns_ray, self.progress = cfg, run_dir, owns_ray, progress
         self.namespace = f"dloco-{uuid.uuid4().hex[:8]}"

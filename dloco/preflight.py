@@ -51,15 +51,20 @@ class Preflight:
     fingerprint: dict[str, Any]
 
 
-def resolve_run_dir(cfg: RunConfig, run_dir: str | os.PathLike | None = None) -> Path:
-    """`run_dir`, else ``{cfg.run_dir}/{date-time}`` (``~`` expanded)."""
-    return Path(run_dir or Path(cfg.run_dir) / time.strftime("%Y%m%d-%H%M%S")).expanduser()
+def resolve_run_dir(cfg: RunConfig, run_dir: str | os.PathLike | None = None, *, job: bool = False) -> Path:
+    """`run_dir`, else ``{cfg.run_dir}/{date-time}`` (``~`` expanded; a relative one under ``~`` in a Ray `job`)."""
+    path = Path(run_dir or Path(cfg.run_dir) / time.strftime("%Y%m%d-%H%M%S")).expanduser()
+    return Path.home() / path if job and not run_dir and not path.is_absolute() else path
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether `run_dir` holds a run (a fingerprint, or the store of a run from before them)."""
+    return (run_dir / FINGERPRINT_FILE).is_file() or (run_dir / "store").is_dir()
 
 
 def check(cfg: RunConfig, run_dir: str | os.PathLike, resume: bool = False, *, local: bool = True, progress=None):
-    """Checks everything about the run that needs no Ray, writing nothing; raises `PreflightError`.
-    `local`: the learners run on this machine (a local cluster), so their memory is checked here too.
-    `progress`: `data.Progress`, while the corpus is prepared. Returns the `Preflight`."""
+    """Checks everything about the run that needs no Ray, writing nothing; raises `PreflightError`. `local`:
+    the learners run on this machine, so their memory is checked here; `progress`: as the corpus is prepared."""
     path = Path(run_dir)
     _check_run_dir(path, resume)
     check_data(cfg, corpus := _corpus(cfg, progress))
@@ -102,7 +107,7 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
         raise PreflightError(
             f"run dir {run_dir} holds no run to resume: no {FINGERPRINT_FILE}, nor {CONFIG_FILE} and store/: {again}"
         )
-    if not resume and (fp or store):
+    if not resume and holds_run(run_dir):
         raise PreflightError(
             f"run dir {run_dir} already holds a run: pass --resume to continue it or another --run-dir"
         )

@@ -30,11 +30,13 @@ def test_bad_input_is_one_line_and_nonzero(args, message):
 
 def test_corpus_preparation_shows_a_line_per_stage_when_not_on_a_terminal(capsys):
     from actors import cli
+    from dloco import config
 
+    show = cli._progress(config.load())
     for done in (0, 400, 1000):
-        cli._progress({"preparing": "reading", "done": done, "total": 1000})
-    cli._progress({"preparing": "tokenizing", "done": 512, "total": 1000})
-    cli._progress({"preparing": "tokenizing", "done": 1000, "total": 1000})
+        show({"preparing": "reading", "done": done, "total": 1000})
+    show({"preparing": "tokenizing", "done": 512, "total": 1000})
+    show({"preparing": "tokenizing", "done": 1000, "total": 1000})
     assert capsys.readouterr().err.splitlines() == [
         "preparing the corpus: reading 1,000/1,000 done",
         "preparing the corpus: tokenizing 1,000/1,000 done",

@@ -297,6 +297,8 @@ def test_a_run_that_ends_on_an_error_exits_1_after_its_table(monkeypatch, capsys
     import actors.launch
 
     class Handle:
+        run_dir, resumed = Path("runs/x"), False
+
         def wait(self):
             return None
 
@@ -307,7 +309,64 @@ def test_a_run_that_ends_on_an_error_exits_1_after_its_table(monkeypatch, capsys
     assert main(["train", "--quiet"]) == code
     out = capsys.readouterr()
     assert "eval loss" in out.out
+    first = "dloco: run dir runs/x (new run)"  # the first line of a run's log: where it writes
     if error:
-        assert out.err.strip().splitlines() == ["dloco: run failed: store: commits failing for 300 s: disk full"]
+        assert out.err.strip().splitlines() == [first, "dloco: run failed: store: commits failing for 300 s: disk full"]
     else:
-        assert out.err == ""
+        assert out.err == first + "\n"
+
+
+def test_a_resubmitted_job_continues_its_run_dir_and_refuses_another_config(monkeypatch, capsys, tiny_run, tmp_path):
+    """Under ``ray job submit`` (Ray sets RAY_JOB_CONFIG_JSON_ENV_VAR for the job's driver), a run dir
+    that holds a run is continued without --resume if the config's fingerprint matches (here `start`
+    gets as far as connecting), and refused in one line if it does not; outside a job, --resume is
+    still needed."""
+    import ray
+
+    run = tmp_path / "run"
+    make_run(tiny_run, run)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: (_ for _ in ()).throw(ConnectionError("no Ray in this test")))
+    train = ["train", "--quiet", "--run-dir", str(run)]
+    assert main([*train, *sets(*tiny_run)]) == 2
+    assert "already holds a run: pass --resume" in capsys.readouterr().err
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
+    assert main([*train, *sets(*tiny_run, "budget.tokens=999")]) == 2
+    assert capsys.readouterr().err == "dloco: no Ray in this test\n"  # resumed: past the preflight
+    assert main([*train, *sets(*tiny_run, "fragments.count=4")]) == 2
+    err = capsys.readouterr().err
+    assert "resume: fragments differ" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "fingerprint.json", "store"]
+
+
+def test_under_a_job_the_default_run_dir_is_absolute_under_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = config.load()  # run_dir: runs (relative: under a job the working dir is Ray's temporary copy)
+    path = preflight.resolve_run_dir(cfg, job=True)
+    assert path.is_absolute() and path.parent == tmp_path / "runs"
+    assert preflight.resolve_run_dir(cfg).parent == Path("runs")  # outside a job, as before
+    assert preflight.resolve_run_dir(cfg, "here", job=True) == Path("here")  # --run-dir is the user's
+    assert (
+        preflight.resolve_run_dir(config.load(overrides=(f"run_dir={tmp_path}/r",)), job=True).parent == tmp_path / "r"
+    )
+
+
+def test_print_config_writes_a_config_file_that_loads_to_the_same_run(capsys, tmp_path):
+    assert main(["train", "--print-config", "--set", "inner.lr=3e-4", "--set", "learners.count=3"]) == 0
+    text = capsys.readouterr().out
+    (tmp_path / "printed.yaml").write_text(text)
+    cfg = config.load(overrides=("inner.lr=3e-4", "learners.count=3"))
+    assert config.load(tmp_path / "printed.yaml") == cfg and "lr: 0.0003" in text
+
+
+def test_help_lists_every_config_section(capsys):
+    import dataclasses
+    import typing
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    hints = typing.get_type_hints(config.RunConfig)
+    sections = [f.name for f in dataclasses.fields(config.RunConfig) if dataclasses.is_dataclass(hints[f.name])]
+    assert "config sections" in out and len(sections) == 15 and all(f"\n  {name} " in out for name in sections)
+    assert "\n  data         Corpus, tokenizer and windows\n" in out
+    assert "(top level)  preset, algorithm, seed, run_dir" in out
