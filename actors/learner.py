@@ -15,11 +15,19 @@ What only a process can do is done here: a straggler's step and every step's jit
 after the step; `freeze(seconds)` keeps the learner alive but silent; emulated WAN latency
 (`learners.groups[].latency_s`) delays each push's announcement and hands each update over that
 many seconds after it arrived.
+
+Preemption notice: SIGTERM (what Ray and Kubernetes send before they take a node) makes `run` push
+the learner's unmerged progress at once (`LearnerService.drain`), wait up to `learners.drain_s`
+for those pushes to merge, record a ``learner_drain`` event and then end the process as the signal
+asked; Ray restarts the actor (on another node if this one goes) and it resumes from its merged
+cursor, so the drained steps are not trained twice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import threading
 import time
 from collections import deque
@@ -29,7 +37,7 @@ from ray.exceptions import RayError
 
 from actors.isolation import limit_cpu
 from actors.transport import RayTransport, StoreHandle, SyncerHandle, WallClock
-from dloco import inner
+from dloco import events, inner
 from dloco.config import from_dict
 from dloco.metrics import typical_cycle
 from dloco.policy import Ema
@@ -71,17 +79,63 @@ class Learner:
         self.node = {
             "node_id": ctx.get_node_id(),
             "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
             "resources": {k: v for k, v in ctx.get_assigned_resources().items()},
         }
         self._stop = threading.Event()
         self._poll: ray.ObjectRef | None = None
         self._fetching: dict[int, ray.ObjectRef] = {}  # fragment → a catch-up fetch in flight
+        self._notice: float | None = None  # when SIGTERM came (monotonic)
+        self._left = self._running = False
+        if threading.current_thread() is threading.main_thread():  # where Ray runs a constructor
+            self._ray_sigterm = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._sigterm)
+
+    def _sigterm(self, signum, frame) -> None:
+        """SIGTERM: `run` drains, then sends it again; this process ends on that second one, or at
+        once if no `run` is going, or after `learners.drain_s` (+5 s) whatever happens."""
+        if self._notice is None and self._running:
+            self._notice = time.monotonic()
+            threading.Timer(self.cfg.learners.drain_s + 5.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            return
+        self._left = True
+        handler = self._ray_sigterm
+        if callable(handler):
+            handler(signum, frame)  # Ray's: the worker exits, and Ray restarts the actor
+        raise SystemExit(1)
+
+    def _drain(self) -> None:
+        """Pushes the unmerged progress, waits (taking mail) until it merged or `drain_s` passed,
+        records it, deregisters (`FragmentStore.retire`) and ends the process (a second SIGTERM);
+        never returns, so the `run` call fails with the process and the restarted actor retries it."""
+        assert self._notice is not None
+        svc, deadline = self.service, self._notice + self.cfg.learners.drain_s
+        pushed = svc.drain()
+        while not svc.drained() and time.monotonic() < deadline:
+            self._check_mail(block=True, timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+        svc.events.append(
+            events.LearnerDrain(
+                time=time.time(), learner=self.learner_id, incarnation=svc.incarnation, step=svc.core.step_count,
+                pushed=pushed, merged=svc.drained(), seconds=time.monotonic() - self._notice,
+            ).to_dict()
+        )  # fmt: skip
+        with contextlib.suppress(RayError):  # deregistered: no mail, no share of the merges (until it registers again)
+            ray.get(self.store.retire.remote(self.learner_id), timeout=5.0)
+        t = time.monotonic()
+        while svc.events and time.monotonic() - t < 5.0:  # the driver takes them (`drain_events`) before the end
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+        while True:
+            time.sleep(1.0)
 
     def run(self, max_steps: int | None = None) -> dict:
         """Trains until `stop()` (or `max_steps` local steps); returns the final status."""
         svc, last = self.service, None
         core = svc.core
+        self._running = True
         while not self._stop.is_set() and (max_steps is None or core.step_count < max_steps):
+            if self._notice is not None:
+                self._drain()
             frozen = self._wait_while_frozen()
             self._check_mail(block=False)
             self._catch_up()

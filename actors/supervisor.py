@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors import health, isolation
 from actors.faults import FaultInjector
@@ -69,9 +70,9 @@ class RunHandle:
 
         opts = {
             **{"namespace": self.namespace, "max_restarts": -1, "max_task_retries": -1, "num_cpus": 0},
-            # On the head node, with the driver: the run directory (metrics, store snapshots) is
-            # the head's, so a restarted store finds its snapshots without a shared filesystem.
-            "resources": {"node:__internal_head__": 0.001},
+            # On the driver's node (the head, under `ray job submit`): the run directory (metrics, store
+            # snapshots) is the driver's, so a restarted store finds its snapshots without a shared filesystem.
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
             "runtime_env": {"env_vars": worker_env(cfg, accelerator=False)},
         }
         self.store: Any = (

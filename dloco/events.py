@@ -76,6 +76,20 @@ class LearnerStop(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LearnerDrain(Event):
+    """A learner told to stop (SIGTERM: a preemption notice) pushed its unmerged progress at `step`
+    (`pushed` fragments) and left after `seconds`; `merged`: every push was merged by then."""
+
+    EVENT = "learner_drain"
+    learner: int
+    incarnation: int
+    step: int
+    pushed: int
+    merged: bool
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class Rejection(Event):
     """A contribution the global model never absorbs, with the reason (ALGORITHM.md §5)."""
 
@@ -216,9 +230,9 @@ class Chaos(Event):
 
 KINDS: dict[str, type[Event]] = {
     c.EVENT: c
-    for c in (StoreStart, SyncerStart, LearnerStart, LearnerRestart, LearnerStop, Rejection, Merge, RoundEmpty,
-              CommitRejected, SyncerError, StoreError, ActorError, RunFailed, PayloadLost, PayloadResent, Fault,
-              Eval, Goodput, Chaos)
+    for c in (StoreStart, SyncerStart, LearnerStart, LearnerRestart, LearnerStop, LearnerDrain, Rejection, Merge,
+              RoundEmpty, CommitRejected, SyncerError, StoreError, ActorError, RunFailed, PayloadLost, PayloadResent,
+              Fault, Eval, Goodput, Chaos)
 }  # fmt: skip
 
 

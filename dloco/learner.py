@@ -251,6 +251,18 @@ class LearnerCore:
         )
         return Push(meta, payload)
 
+    def flush(self) -> list[Push]:
+        """A preemption notice: a push now, off schedule, of every fragment whose progress since its
+        anchor no push carries yet (decoupled learners; blocking ones wait for their merge anyway)."""
+        if self.blocking or self.dp:
+            return []
+        fresh = [
+            p
+            for p, r in enumerate(self.pending_pushes)
+            if self.c_steps[p] and not (r and r[-1].step == self.state.step)
+        ]
+        return [push for p in fresh if (push := self._push(p)) is not None]
+
     def _in_flight(self, p: int) -> bool:
         """Whether a due push of p waits for the last one (decoupled learners; module docstring)."""
         records = self.pending_pushes[p]

@@ -102,6 +102,8 @@ class Tally:
         t = float(e.get("time", 0.0))
         if kind == "learner_start":
             self._learner(int(e["learner"]), t)
+        if kind in ("learner_start", "learner_restart") and int(e["learner"]) in self._learners:
+            self._learners[int(e["learner"])]["stop"] = None  # back after it left (a drain): provisioned again
         elif kind == "learner_stop" and int(e["learner"]) in self._learners:
             self._learners[int(e["learner"])]["stop"] = t
         elif kind == "payload_lost":

@@ -333,3 +333,38 @@ def test_learners_whose_corpus_differs_from_the_drivers_refuse_to_start_and_the_
         with pytest.raises(ValueError):  # gone: not merely dead-and-restarting
             ray.get_actor(name, namespace=h.namespace)
     assert (tmp_path / "summary.json").is_file() and h._metrics_file.closed
+
+
+def test_sigterm_drains_a_learner_it_pushes_its_progress_leaves_and_resumes_where_it_merged(
+    ray_cluster, cfg_for, tmp_path
+):
+    """A preemption notice for real: SIGTERM to a learner's process. It pushes every fragment's
+    unmerged progress at once (off schedule), waits for the merges (within learners.drain_s),
+    deregisters and exits; Ray restarts it and it resumes at exactly the step it drained at, so
+    nothing it trained is lost or trained twice."""
+    import os
+    import signal
+
+    from actors.launch import start
+
+    cfg = cfg_for("learners.count=2", "budget.seconds=300", "sync.every=16", "learners.drain_s=20")
+    with start(cfg, run_dir=tmp_path) as h:
+        wait_for(lambda: any(1 in e["contributors"] for e in merges(h)), 120)
+        pid = h.status()["learners"][1]["node"]["pid"]
+        os.kill(pid, signal.SIGTERM)
+        sent = time.time()
+        wait_for(lambda: h.metrics("learner_drain"), 60)
+        wait_for(lambda: [e for e in h.metrics("learner_restart") if e["learner"] == 1], 120)
+        drain = h.metrics("learner_drain")[0]
+        assert (drain["learner"], drain["incarnation"], drain["merged"]) == (1, 1, True), drain
+        assert 1 <= drain["pushed"] <= 2 and drain["seconds"] < 20 and drain["time"] - sent < 20, drain
+        at = drain["step"]
+        drained = [
+            e for e in merges(h) if (1, 1, at) in zip(e["contributors"], e["incarnations"], e["steps"], strict=True)
+        ]
+        assert len(drained) == drain["pushed"], drained  # each pushed fragment merged its drained push
+        stops = [e for e in h.metrics("learner_stop") if e["learner"] == 1]
+        back = [e for e in h.metrics("learner_restart") if e["learner"] == 1][0]
+        assert stops and stops[0]["time"] <= back["time"]  # deregistered, then registered again
+        assert (back["incarnation"], back["step"]) == (2, at)  # resumes at its merged cursor: the drained step
+        wait_for(lambda: h.status()["learners"][1]["node"]["pid"] != pid, 60)

@@ -98,6 +98,19 @@ class LearnerService:
             self._send(push)
         return metrics
 
+    def drain(self) -> int:
+        """A preemption notice: sends `LearnerCore.flush`'s pushes (not those of a fragment it is
+        behind on: they would be refused); returns how many it sent. `drained` says when they merged."""
+        pushes = [push for push in self.core.flush() if not self._behind(push.meta.fragment_id)]
+        for push in pushes:
+            self._send(push)
+        return len(pushes)
+
+    def drained(self) -> bool:
+        """Every push of this learner is merged: installed, or its merge is in the inbox or on the wire."""
+        in_flight = [Delivery(u.fragment_id, u.version, None, u.included_step) for u in self.in_transit()]
+        return all(s is None for s in self.core.pending(in_flight))
+
     def _send(self, push: Push) -> None:
         ref = self.transport.put(push.payload)
         self.pushes += 1
