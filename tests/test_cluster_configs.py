@@ -211,3 +211,47 @@ def test_learner_groups_fit_a_node_type_of_their_cluster(path):
         need = {k: v for k, v in need.items() if v > 0}
         fits = [n for n in nodes if all(n.get(k, 0.0) >= v for k, v in need.items())]
         assert fits, f"{path.name}: group {g.name} needs {need}; no node type of {where} has it: {nodes}"
+
+
+# ---- preemptible capacity -----------------------------------------------------------------------
+def _spot(node_config: dict) -> bool:
+    """Whether a launcher node type asks for spot / preemptible capacity (AWS, GCP VM, GCP TPU VM)."""
+    market = node_config.get("InstanceMarketOptions", {}).get("MarketType")
+    sched = node_config.get("scheduling") or {}
+    tpu = node_config.get("schedulingConfig") or {}
+    return (
+        market == "spot" or sched.get("provisioningModel") == "SPOT" or bool(tpu.get("spot") or tpu.get("preemptible"))
+    )
+
+
+@pytest.mark.parametrize("path", of_kind("launcher"), ids=ids(of_kind("launcher")))
+def test_learners_run_on_spot_capacity_and_the_head_on_demand(path):
+    """The product is for preemptible fleets: every node type the launcher starts for learners is
+    spot or preemptible; the head (driver, store, syncer) is not. Node types with max_workers 0 are
+    joined by hand (docs/CLUSTER.md shows their spot flags)."""
+    (c,) = docs(path)
+    types = c["available_node_types"]
+    assert not _spot(types[c["head_node_type"]]["node_config"]), f"{path.name}: the head must be on-demand"
+    managed = [n for n, t in types.items() if n != c["head_node_type"] and t.get("max_workers", 0) > 0]
+    assert managed and all(_spot(types[n]["node_config"]) for n in managed), managed
+
+
+def test_kuberay_learners_on_a_spot_node_pool_and_a_defined_run_volume():
+    (path,) = of_kind("kuberay")
+    job = rayjob(path)
+    spec = job["spec"]["rayClusterSpec"]
+    assert "cloud.google.com/gke-spot" not in spec["headGroupSpec"]["template"]["spec"].get("nodeSelector", {})
+    for g in spec["workerGroupSpecs"]:
+        pod = g["template"]["spec"]
+        assert pod["nodeSelector"]["cloud.google.com/gke-spot"] == "true", g["groupName"]
+        assert any(t["key"] == "cloud.google.com/gke-spot" for t in pod["tolerations"]), g["groupName"]
+        assert 0 < config.load().learners.drain_s < pod["terminationGracePeriodSeconds"], g["groupName"]
+    claims = {d["metadata"]["name"]: d for d in docs(path) if d.get("kind") == "PersistentVolumeClaim"}
+    assert claims["dloco-runs"]["spec"]["accessModes"] == ["ReadWriteMany"]  # the claim the pods mount
+    assert "/mnt/runs/" in job["spec"]["entrypoint"]
+
+
+def test_the_run_configs_drain_within_their_clouds_notice():
+    notice = {"aws_gpu_multiregion.run.yaml": 120, "gcp_tpu_multiregion.run.yaml": 30, "kuberay_rayjob.run.yaml": 30}
+    for name, seconds in notice.items():
+        assert 0 < config.load(CONFIGS / name).learners.drain_s < seconds, name
