@@ -1,6 +1,7 @@
 """The ``dloco`` command: ``dloco train [--config FILE] [--set a.b=c ...] [--address ADDR] [--run-dir DIR]``,
-``dloco plot RUN_DIR [RUN_DIR ...] [--out DIR]``, ``dloco export RUN_DIR --out DIR [--format
-safetensors|orbax] [--snapshot N]`` and ``dloco eval RUN_DIR_OR_EXPORT [--data SOURCE]``.
+``dloco status RUN_DIR``, ``dloco stop RUN_DIR``, ``dloco plot RUN_DIR [RUN_DIR ...] [--out DIR]``, ``dloco
+export RUN_DIR --out DIR [--format safetensors|orbax] [--snapshot N]`` and ``dloco eval RUN_DIR_OR_EXPORT
+[--data SOURCE]``.
 
 With no arguments it trains the `tiny` preset with 4 learners on the built-in `stdlib` corpus on
 a local Ray cluster (started and stopped by the command), shows progress, and ends with a table.
@@ -17,6 +18,7 @@ import argparse
 import os
 import re
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -145,6 +147,51 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def status_cmd(args: argparse.Namespace) -> int:
+    """Prints the state of the run in RUN_DIR (running, ended, not answering); 2 if none is there."""
+    from dloco import control
+    from dloco.metrics import table
+
+    try:
+        s = control.read(args.run_dir)
+    except (OSError, ValueError) as e:
+        print(_message(e), file=sys.stderr)
+        return 2
+    if s["state"] == "ended":
+        print(f"state      ended\n{table(s)}")
+        return 0
+    loss, errors = s.get("eval_loss"), sum((s.get("errors") or {}).values())
+    ago = time.time() - s["updated"]
+    print(f"state      {s['state']} (driver pid {s['pid']} on {s['host']}, updated {ago:.0f} s ago)")
+    print(f"elapsed    {s['elapsed_s']:.0f} s")
+    print(f"tokens     {s['tokens_trained']:,}" + (f" of {s['budget_tokens']:,}" if s.get("budget_tokens") else ""))
+    print(f"eval loss  {'--' if loss is None else f'{loss:.3f}'}")
+    print(f"merges     {s['merges']} (rejected contributions: {s['rejected']})")
+    print(f"learners   {len(s.get('learners') or {})} reporting")
+    print(f"errors     {errors}" + (f"; last: {s.get('last_error')}" if errors else ""))
+    return 0
+
+
+def stop_cmd(args: argparse.Namespace) -> int:
+    """Asks the run in RUN_DIR to stop, waits for its summary (up to --wait s) and prints it."""
+    from dloco import control
+    from dloco.metrics import table
+
+    try:
+        control.request_stop(args.run_dir)
+    except (OSError, ValueError) as e:
+        print(_message(e), file=sys.stderr)
+        return 2
+    end = time.time() + args.wait
+    while time.time() < end:
+        if (s := control.read(args.run_dir))["state"] == "ended":
+            print(table(s))
+            return 0
+        time.sleep(0.5)
+    print(f"dloco: asked the run to stop; no summary within {args.wait:g} s (see dloco status)", file=sys.stderr)
+    return 1
+
+
 def plot(args: argparse.Namespace) -> int:
     from dloco.plot import plot as plot_runs
 
@@ -210,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--resume", action="store_true", help="continue the run already in --run-dir")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    st = sub.add_parser("status", help="the state of a run (running or ended) from its run directory")
+    st.add_argument("run_dir", metavar="RUN_DIR")
+    sp = sub.add_parser("stop", help="stop a running run (as at its budget: final evaluation, summary.json)")
+    sp.add_argument("run_dir", metavar="RUN_DIR")
+    sp.add_argument("--wait", type=float, default=120.0, help="seconds to wait for its summary (default 120)")
     p = sub.add_parser("plot", help="PNG figures of one or more run directories (metrics.jsonl)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
     p.add_argument("--out", help="output directory (default: RUN_DIR/plots; for several runs, their parent's plots/)")
@@ -230,7 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from dloco.config import ConfigError
 
-    commands = {"plot": plot, "train": train, "export": export_cmd, "eval": eval_cmd}
+    commands = {
+        "plot": plot,
+        "train": train,
+        "export": export_cmd,
+        "eval": eval_cmd,
+        "status": status_cmd,
+        "stop": stop_cmd,
+    }
     try:
         return commands[args.command](args)
     except ConfigError as e:

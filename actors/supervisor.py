@@ -7,8 +7,9 @@ take their group's resources (``num_cpus``, ``num_gpus``, custom resources such 
 label). A supervisor thread drains the actors' events into ``metrics.jsonl`` (and TensorBoard),
 folds them into a `dloco.tally.Tally` (running accounts and a bounded ring of recent events, so
 the driver's memory stays flat however long the run), evaluates the global model every
-`metrics.eval_every_s`, and stops the run at its token, time or step budget; ``summary.json``
-(`dloco.tally.summarize`) is written at the end. Faults: `actors.faults.FaultInjector`.
+`metrics.eval_every_s`, and stops the run at its token, time or step budget (or `dloco stop`:
+`dloco.control`, as is ``status.json``); ``summary.json`` (`dloco.tally.summarize`) is written at
+the end. Faults: `actors.faults.FaultInjector`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from actors.learner import Learner
 from actors.store import FragmentStore
 from actors.syncer import Syncer
 from actors.workers import worker_env
-from dloco import build, chaos, events, inner
+from dloco import build, chaos, control, events, inner
 from dloco.config import RunConfig
 from dloco.tally import Tally, summarize
 from dloco.tensorboard import TensorBoardSink
@@ -201,14 +202,9 @@ class RunHandle:
         with self._lock:
             if not self._metrics_file.closed:  # after stop() the file is complete on disk
                 self._metrics_file.flush()
-        out = []
-        with open(self._metrics_path) as fh:
-            for line in fh:
-                if event is None or f'"event": "{event}"' in line:
-                    e = json.loads(line)
-                    if event is None or e.get("event") == event:
-                        out.append(e)
-        return out
+        with open(self._metrics_path) as fh:  # (the string test skips parsing most lines)
+            rows = [json.loads(line) for line in fh if event is None or f'"event": "{event}"' in line]
+        return [e for e in rows if event is None or e.get("event") == event]
 
     def tokens_trained(self) -> int:
         return sum(self.trained.values())
@@ -297,6 +293,9 @@ class RunHandle:
                     self._record_goodput(time.time())
                 if self.progress:
                     self.progress(self.status())
+                control.publish(self.run_dir, self.status())  # for `dloco status` (every 2 s)
+                if control.stop_requested(self.run_dir, self.started):  # `dloco stop`
+                    break
                 elapsed = time.time() - self.started
                 if (b.tokens and self.tokens_trained() >= b.tokens) or (b.seconds and elapsed >= b.seconds):
                     break

@@ -336,7 +336,7 @@ def test_learners_whose_corpus_differs_from_the_drivers_refuse_to_start_and_the_
 
 
 def test_sigterm_drains_a_learner_it_pushes_its_progress_leaves_and_resumes_where_it_merged(
-    ray_cluster, cfg_for, tmp_path
+    ray_cluster, cfg_for, tmp_path, capsys
 ):
     """A preemption notice for real: SIGTERM to a learner's process. It pushes every fragment's
     unmerged progress at once (off schedule), waits for the merges (within learners.drain_s),
@@ -368,3 +368,10 @@ def test_sigterm_drains_a_learner_it_pushes_its_progress_leaves_and_resumes_wher
         assert stops and stops[0]["time"] <= back["time"]  # deregistered, then registered again
         assert (back["incarnation"], back["step"]) == (2, at)  # resumes at its merged cursor: the drained step
         wait_for(lambda: h.status()["learners"][1]["node"]["pid"] != pid, 60)
+        # and `dloco status` / `dloco stop` from outside, through the run directory
+        from actors.cli import main
+
+        assert main(["status", str(tmp_path)]) == 0 and "state      running" in capsys.readouterr().out
+        assert main(["stop", str(tmp_path), "--wait", "120"]) == 0
+        summary = h.wait(timeout=10)
+        assert summary is not None and summary["error"] is None and summary["eval_loss_end"] is not None
