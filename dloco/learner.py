@@ -252,16 +252,13 @@ class LearnerCore:
         return Push(meta, payload)
 
     def flush(self) -> list[Push]:
-        """A preemption notice: a push now, off schedule, of every fragment whose progress since its
-        anchor no push carries yet (decoupled learners; blocking ones wait for their merge anyway)."""
+        """A preemption notice: a push now, off schedule, of every fragment with progress since its
+        anchor and no push in flight (one in flight: its merge comes first, or the new push would
+        overlap it; flush again then). Decoupled learners only: blocking ones wait for merges anyway."""
         if self.blocking or self.dp:
             return []
-        fresh = [
-            p
-            for p, r in enumerate(self.pending_pushes)
-            if self.c_steps[p] and not (r and r[-1].step == self.state.step)
-        ]
-        return [push for p in fresh if (push := self._push(p)) is not None]
+        idle = [p for p, records in enumerate(self.pending_pushes) if self.c_steps[p] and not records]
+        return [push for p in idle if (push := self._push(p)) is not None]
 
     def _in_flight(self, p: int) -> bool:
         """Whether a due push of p waits for the last one (decoupled learners; module docstring)."""

@@ -177,26 +177,28 @@ def test_tiny_preset_single_learner_validation_loss_falls(cache, capsys):
     assert after < before - 2.0
 
 
-def test_flush_pushes_every_fragments_unpushed_progress_once_off_schedule(cache):
-    """A preemption notice (`LearnerCore.flush`): each fragment with progress no push carries yet is
-    pushed now with all of it (δ = anchor − θ, tokens and steps since the anchor); a fragment just
-    pushed at this step is not pushed again; blocking algorithms flush nothing."""
+def test_flush_pushes_each_fragments_unpushed_progress_off_schedule_after_its_push_in_flight(cache):
+    """A preemption notice (`LearnerCore.flush`): a fragment with progress and no push in flight is
+    pushed now with all of it (δ = anchor − θ, tokens and steps since the anchor); one with a push
+    in flight waits for that merge (a push now would overlap it), then its remainder goes; blocking
+    algorithms flush nothing."""
     cfg, bp, core = make(cache, "fragments.count=2", "sync.every=8", "sync.overlap=1", "compression.dtype=fp32")
     pushed_at = {}
     for _ in range(5):  # streaming offsets: fragment 1 is due at step 4 (every 8, P = 2), fragment 0 not yet
         for push in core.step()[1]:
             pushed_at[push.meta.fragment_id] = push.meta.step
     assert pushed_at == {1: 4} and core.step_count == 5
-    pushes = {p.meta.fragment_id: p for p in core.flush()}
-    assert sorted(pushes) == [0, 1] and {p.meta.step for p in pushes.values()} == {5}
     tps = cfg.inner.batch_size * cfg.data.seq_len
-    assert (pushes[0].meta.tokens, pushes[0].meta.steps) == (5 * tps, 5)  # everything since the anchor
-    assert (pushes[1].meta.tokens, pushes[1].meta.steps) == (5 * tps, 5)  # (its step-4 push is not merged yet)
+    (push,) = core.flush()
+    assert (push.meta.fragment_id, push.meta.step, push.meta.tokens, push.meta.steps) == (0, 5, 5 * tps, 5)
     theta = bp.plan.extract(core.state.params, 0)
-    delta = {n: compress.decode(q) for n, q in pushes[0].payload.items()}
+    delta = {n: compress.decode(q) for n, q in push.payload.items()}
     for n in theta:
         np.testing.assert_allclose(delta[n], bp.initial[0][n] - np.asarray(theta[n]), rtol=0, atol=1e-6)
-    assert core.flush() == []  # both were just pushed at this step
+    assert core.flush() == []  # fragment 0 in flight now; fragment 1's step-4 push still is
+    core.install(1, 1, dict(bp.initial[1]), included_step=4)  # fragment 1's merge of its step-4 push
+    (rest,) = core.flush()
+    assert (rest.meta.fragment_id, rest.meta.step, rest.meta.tokens, rest.meta.steps) == (1, 5, tps, 1)
     _, _, dp = make(cache, "algorithm=dp")
     dp.step()
     assert dp.flush() == []

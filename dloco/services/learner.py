@@ -107,9 +107,10 @@ class LearnerService:
         return len(pushes)
 
     def drained(self) -> bool:
-        """Every push of this learner is merged: installed, or its merge is in the inbox or on the wire."""
+        """All this learner trained is merged: no push waits for its merge (installed, queued or on
+        the wire) and no fragment has progress no push carries."""
         in_flight = [Delivery(u.fragment_id, u.version, None, u.included_step) for u in self.in_transit()]
-        return all(s is None for s in self.core.pending(in_flight))
+        return all(s is None for s in self.core.pending(in_flight)) and not any(self.core.c_steps)
 
     def _send(self, push: Push) -> None:
         ref = self.transport.put(push.payload)
