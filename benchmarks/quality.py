@@ -82,7 +82,7 @@ DP_LRS = (3e-3, 6e-3, 9e-3, 1.2e-2)
 INNER_LRS = (3e-3, 6e-3)  # the first is the preset's, written without an override
 GRID = ((0.5, 0.5), (0.7, 0.9))
 OUTER_STUDY = ((0.5, 0.5), (1.0, 0.5), (0.5, 0.9), (0.7, 0.9))
-TINY_GRID, TINY_DP_LRS, TINY_INNER_LRS = ((0.7, 0.9),), (3e-3, 6e-3), (3e-3, 6e-3)
+TINY_GRID, TINY_DP_LRS, TINY_INNER_LRS = ((0.7, 0.9),), (3e-3, 6e-3), (3e-3,)
 STRAGGLERS = ("chaos.stragglers=2", "chaos.straggler_factor=1.2", "chaos.jitter=0.3")
 FAMILIES = ("dp", "diloco", "streaming", "decoupled/delayed", "decoupled/per-commit", "decoupled/plain")
 # the issue's own scale point: the `tiny` preset (0.43 M parameters, sequences of 128 tokens)

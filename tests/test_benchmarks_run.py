@@ -67,7 +67,7 @@ def test_goodput_benchmark_replays_one_schedule_against_each_algorithm(tmp_path)
     out = tmp_path / "g.json"
     run_script(
         "goodput.py",
-        *("--learners", "2", "--seconds", "25", "--mtbf", "10", "--warmup", "6"),
+        *("--learners", "2", "--seconds", "18", "--mtbf", "10", "--warmup", "6"),  # kills at 12.8 s and 14.1 s
         *("--algorithms", "dp,decoupled", "--no-reference", "--out", str(out)),
     )
     d = json.loads(out.read_text())
@@ -96,7 +96,7 @@ def test_quality_tiny_sweeps_then_runs_the_winners_at_equal_tokens(tmp_path):
     sweep = [r for r in runs if r["group"] == "sweep"]
     # the same number of grid points for every tuned algorithm, all at equal tokens
     per_family = {f: sum(r["family"] == f for r in sweep) for f in {r["family"] for r in sweep}}
-    assert per_family == {"dp": 2, "diloco": 2, "streaming": 2, "decoupled/delayed": 2, "decoupled/plain": 2}
+    assert per_family == {"dp": 2, "diloco": 1, "streaming": 1, "decoupled/delayed": 1, "decoupled/plain": 1}
     assert all(r["grid"] for r in sweep)  # tiny mode runs no outer-optimizer study
     assert len({r["tokens"] for r in runs if r["M"] == 4}) == 1
     assert all(3.0 < r["eval_loss"] < 5.6 for r in runs)  # trained below ln(256) = 5.55
