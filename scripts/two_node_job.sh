@@ -22,9 +22,10 @@
 # script. `ray job submit` runs inside the head's namespace; the job's driver (`dloco train`)
 # runs on the head and attaches through the RAY_ADDRESS the job server gives it.
 #
-# Auth: every Ray command runs with RAY_AUTH_MODE=disabled (the same on both nodes, as Ray 2.60
-# requires). Real clusters use token auth: RAY_AUTH_MODE=token on every node and every command,
-# with the cluster's token distributed to each node.
+# Auth: token authentication, as on a real cluster: one token (`ray get-auth-token --generate` on
+# the head) copied into each node's ~/.ray/auth_token, and RAY_AUTH_MODE=token on every Ray command
+# of both nodes and on the job submission. The job runs the README's command, `dloco train` (the
+# venv's console script, by absolute path: the job's PATH is the head's).
 #
 # Cleanup: `ray stop --force` is NOT used: it kills every Ray process on the machine (it matches
 # process names), including other Ray sessions. Instead every process inside this script's two
@@ -55,6 +56,8 @@ PY=${PYTHON:-$(command -v python || command -v python3 || true)}
 [ -n "$PY" ] && [ -x "$PY" ] || die "no python found (put the venv's bin first on PATH or set PYTHON)"
 PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # absolute: the job's entrypoint runs elsewhere
 RAY="$(dirname "$PY")/ray"
+DLOCO="$(dirname "$PY")/dloco"
+[ -x "$DLOCO" ] || die "no dloco console script next to $PY (pip install -e . in that venv)"
 [ -x "$RAY" ] || RAY=$(command -v ray || true)
 [ -n "$RAY" ] || die "no ray CLI next to $PY or on PATH"
 [ -f "$REPO/$CONFIG_REL" ] || die "missing $REPO/$CONFIG_REL"
@@ -175,7 +178,7 @@ DATA_SET=(--set 'data.source=text:~/corpus/*.txt' --set data.tokenizer=bpe --set
 
 # Every Ray command: the same auth mode, no usage stats, no RAY_ADDRESS of the caller. Cluster mode
 # stays on (=1): inside the namespaces the only non-loopback address is the veth one.
-RAY_ENV=(env -u RAY_ADDRESS RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+RAY_ENV=(env -u RAY_ADDRESS -u RAY_AUTH_TOKEN -u RAY_AUTH_TOKEN_PATH RAY_AUTH_MODE=token RAY_USAGE_STATS_ENABLED=0
   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3)
 IN_H=(ip netns exec "$NS_H" "${RAY_ENV[@]}" HOME="$WORK/home-h")
 IN_W=(ip netns exec "$NS_W" "${RAY_ENV[@]}" HOME="$WORK/home-w")
@@ -190,6 +193,13 @@ diagnose() {
   [ -s "$WORK/job.log" ] && { echo "---- tail job log"; tail -n 40 "$WORK/job.log"; }
   return 0
 }
+
+# ---- the cluster's token, on both nodes ---------------------------------------------------------
+run_waiting "$WORK/token.log" timeout 60 "${IN_H[@]}" "$RAY" get-auth-token --generate ||
+  { cat "$WORK/token.log"; die "ray get-auth-token --generate failed"; }
+[ -s "$WORK/home-h/.ray/auth_token" ] || die "no token in the head's ~/.ray/auth_token"
+mkdir -p "$WORK/home-w/.ray" && chmod 700 "$WORK/home-h/.ray" "$WORK/home-w/.ray" &&
+  install -m 600 "$WORK/home-h/.ray/auth_token" "$WORK/home-w/.ray/auth_token" || die "cannot copy the token"
 
 # ---- Ray head and worker ------------------------------------------------------------------------
 log "starting Ray head on $HEAD_IP (GCS :$GCS_PORT, job server :$DASH_PORT)"
@@ -231,9 +241,9 @@ submit() {  # submit LOG RUN_DIR [ARGS...]: the job, from inside the head's name
   run_waiting "$out" timeout "$JOB_TIMEOUT" "${IN_H[@]}" \
     "$RAY" job submit --address="http://$HEAD_IP:$DASH_PORT" \
     --working-dir="$REPO" --runtime-env-json="$EXCLUDES" -- \
-    "$PY" -m actors.cli train --config "$CONFIG_REL" "${DATA_SET[@]}" --run-dir "$run_dir" --quiet "$@"
+    "$DLOCO" train --config "$CONFIG_REL" "${DATA_SET[@]}" --run-dir "$run_dir" --quiet "$@"
 }
-log "submitting: $PY -m actors.cli train --config $CONFIG_REL ${DATA_SET[*]} (timeout ${JOB_TIMEOUT}s)"
+log "submitting: $DLOCO train --config $CONFIG_REL ${DATA_SET[*]} (token auth; timeout ${JOB_TIMEOUT}s)"
 job_start=$SECONDS
 submit "$WORK/job.log" "$RUN_DIR"
 job_rc=$?
@@ -277,6 +287,8 @@ if len(nodes) != 2:
     errors.append(f"learners 0 and 1 did not run on two different nodes: {nodes}")
 if not s["merges"] > 0:
     errors.append(f"no merges (merges={s['merges']})")
+if s.get("auth_mode") != "token":
+    errors.append(f"the run's cluster had auth mode {s.get('auth_mode')!r}, expected token")
 if not s["eval_loss_end"] < s["eval_loss_start"]:
     errors.append(f"eval loss did not fall: {s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f}")
 # Each node's corpus cache: the head's BPE was trained there, the worker's came from the driver.
@@ -300,7 +312,7 @@ if errors:
     sys.exit(1)
 print(f"two_node_job: OK: learner 0 on head {head}, learner 1 on worker {worker}, "
       f"{s['merges']} merges, eval loss {s['eval_loss_start']:.3f} -> {s['eval_loss_end']:.3f}, "
-      "the worker tokenized with the driver's tokenizer")
+      "the worker tokenized with the driver's tokenizer, token auth")
 PYEOF
 rc=$?
 [ "$rc" = 0 ] || { diagnose; exit 1; }
