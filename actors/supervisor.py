@@ -341,6 +341,7 @@ class RunHandle:
         for a in self.learners.values():
             a.stop.remote()
         ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=60)
+        self._check_health()  # a learner that failed as the run ended (e.g. refused its corpus) is reported too
         self._poll_actors()
         time.sleep(0.5)  # let in-flight rounds commit
         self._poll_actors()
