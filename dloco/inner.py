@@ -127,6 +127,32 @@ def lm_loss(model: Any, params: Any, batch: jax.Array, aux: bool = False) -> tup
     return total, count
 
 
+def _value_and_grad(model: Any, params: Any, batch: jax.Array, accum: int, mesh: Mesh) -> tuple[jax.Array, Any]:
+    """Mean training loss over `batch` and its gradient, in `accum` equal micro-batches (gradient
+    accumulation: a scan, so one micro-batch's activations live at a time). Micro-batch i takes rows
+    i, i + accum, ... so that each stays spread over the learner's devices. The mean of the
+    micro-batches' mean losses and gradients is the batch's, up to float rounding (the mixture of
+    experts' balancing loss is per micro-batch)."""
+
+    def mean_loss(p, b):
+        total, count = lm_loss(model, p, b, aux=True)
+        return total / count
+
+    if accum == 1:
+        return jax.value_and_grad(mean_loss)(params, batch)
+    micro = batch.reshape(batch.shape[0] // accum, accum, batch.shape[1]).swapaxes(0, 1)
+    if (batch.shape[0] // accum) % mesh.devices.size == 0:
+        micro = jax.lax.with_sharding_constraint(micro, NamedSharding(mesh, P(None, DATA_AXIS)))
+
+    def add(carry, b):
+        loss, grads = jax.value_and_grad(mean_loss)(params, b)
+        return jax.tree_util.tree_map(jnp.add, carry, (loss, grads)), None
+
+    zero = (jnp.zeros((), jnp.float32), jax.tree_util.tree_map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(add, zero, micro)
+    return loss / accum, jax.tree_util.tree_map(lambda g: g / accum, grads)
+
+
 def _lazy(build: Callable[[Any], Callable]) -> Callable:
     """A function jitted on its first call, with shardings taken from that call's first argument
     (the parameters: their shapes decide where each FSDP shard lives)."""
@@ -144,17 +170,14 @@ def make_train_step(model: Any, cfg: InnerConfig, mesh: Mesh, sharding: str = "r
     """Returns ``step(params, opt_state, batch, t) -> (params, opt_state, metrics)``, jitted.
 
     `metrics` holds the mean loss, the gradient global norm and lr_t. Parameters and optimizer
-    state are donated (updated in place), and kept where `place` puts them (`sharding`).
+    state are donated (updated in place), and kept where `place` puts them (`sharding`). The
+    gradient is accumulated over `cfg.accum_steps` micro-batches (`_value_and_grad`).
     """
     tx, lr_fn = optimizer(cfg), schedule(cfg)
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
 
     def step(params, opt_state, batch, t):
-        def loss_fn(p):
-            total, count = lm_loss(model, p, batch, aux=True)
-            return total / count
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        loss, grads = _value_and_grad(model, params, batch, cfg.accum_steps, mesh)
         updates, opt_state = tx.update(grads, opt_state, params)
         lr = lr_fn(t)
         params = jax.tree_util.tree_map(lambda p, u: p + lr * u, params, updates)
@@ -185,17 +208,14 @@ def make_train_step(model: Any, cfg: InnerConfig, mesh: Mesh, sharding: str = "r
     return _lazy(build)
 
 
-def make_grad_step(model: Any, mesh: Mesh, sharding: str = "replicate") -> Callable:
+def make_grad_step(model: Any, mesh: Mesh, sharding: str = "replicate", accum: int = 1) -> Callable:
     """Returns ``grad_step(params, batch) -> (grads, metrics)``, jitted: the mean-loss gradient on
-    `batch` without applying it (the data-parallel baselines send it; ALGORITHM.md §9)."""
+    `batch` (over `accum` micro-batches) without applying it (the data-parallel baselines send it;
+    ALGORITHM.md §9)."""
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
 
     def grad_step(params, batch):
-        def loss_fn(p):
-            total, count = lm_loss(model, p, batch, aux=True)
-            return total / count
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        loss, grads = _value_and_grad(model, params, batch, accum, mesh)
         return grads, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     if sharding == "replicate":

@@ -132,7 +132,7 @@ class LearnerCore:
         self.dp = cfg.algorithm in DP_ALGORITHMS
         self.sharding = cfg.learners.sharding  # parameters and AdamW state: replicated or FSDP over the mesh
         if self.dp:
-            self._grad_step = inner.make_grad_step(model, mesh, self.sharding)
+            self._grad_step = inner.make_grad_step(model, mesh, self.sharding, cfg.inner.accum_steps)
         else:
             self._train_step = inner.make_train_step(model, cfg.inner, mesh, self.sharding)
         params = plan.join([{n: np.asarray(a, np.float32) for n, a in f.items()} for f in fragments])

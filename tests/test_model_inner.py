@@ -103,3 +103,29 @@ def test_evaluate_averages_over_tokens(setup):
     ev = inner.make_eval_step(m, mesh)
     expected = sum(float(inner.lm_loss(m, params, jnp.asarray(b))[0]) for b in batches) / (3 * 2 * 8)
     assert inner.evaluate(ev, inner.replicate(params, mesh), batches, mesh) == pytest.approx(expected, rel=1e-5)
+
+
+def test_gradient_accumulation_takes_the_same_steps_as_the_whole_batch(setup):
+    """inner.accum_steps=4 splits each batch of 8 into 4 micro-batches of 2 (rows i, i+4: each
+    spread over both devices) and averages their gradients: the same losses and parameters as one
+    pass over the batch, up to float rounding; the dp gradient step too; a batch that does not
+    split evenly is refused naming the field."""
+    cfg, m, params = setup
+    rng = np.random.default_rng(3)
+    batches = [rng.integers(0, 50, size=(8, 17)).astype(np.int32) for _ in range(3)]
+    whole = config.replace(cfg, "inner.batch_size=8")
+    accum = config.replace(cfg, "inner.batch_size=8", "inner.accum_steps=4")
+    p1, l1 = _train(m, whole, params, batches, jax.devices())
+    p4, l4 = _train(m, accum, params, batches, jax.devices())
+    np.testing.assert_allclose(l4, l1, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(p4), jax.tree_util.tree_leaves(p1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    mesh = inner.make_mesh()
+    g1, _ = inner.make_grad_step(m, mesh)(inner.replicate(params, mesh), inner.shard_batch(batches[0], mesh))
+    g4, _ = inner.make_grad_step(m, mesh, accum=4)(inner.replicate(params, mesh), inner.shard_batch(batches[0], mesh))
+    for a, b in zip(jax.tree_util.tree_leaves(g4), jax.tree_util.tree_leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+    with pytest.raises(
+        config.ConfigError, match=r"inner.batch_size=6 is invalid: must be a multiple of inner.accum_steps=4"
+    ):
+        config.replace(cfg, "inner.batch_size=6", "inner.accum_steps=4")

@@ -145,9 +145,15 @@ class RunConfig:
         for g in self.learners.expand():  # a GPU learner's batch is split across its devices
             devices = int(g.num_gpus) if g.num_gpus >= 1 else 1
             batch = g.batch_size or self.inner.batch_size
+            name = "inner.batch_size" if not g.batch_size else f"learners.groups[{g.name}].batch_size"
             if batch % devices:
-                name = "inner.batch_size" if not g.batch_size else f"learners.groups[{g.name}].batch_size"
                 _fail(name, batch, f"must be a multiple of the learner's {devices} GPUs (one slice each)")
+            if batch % self.inner.accum_steps:
+                _fail(
+                    name,
+                    batch,
+                    f"must be a multiple of inner.accum_steps={self.inner.accum_steps} (equal micro-batches)",
+                )
         c, M = self.chaos, self.learners.count
         span = max(0.0, c.horizon_s - c.warmup_s)
         for name, mean in (("mtbf_s", c.mtbf_s), ("freeze_mtbf_s", c.freeze_mtbf_s + c.freeze_s)):

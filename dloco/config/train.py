@@ -145,10 +145,11 @@ class InnerConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     batch_size: int = 16
+    accum_steps: int = 1  # micro-batches per step: gradients averaged, then one AdamW step (1/accum the activations)
 
     def __post_init__(self) -> None:
         _finite("inner", self)
-        _positive("inner", self, "lr", "total_steps", "eps", "grad_clip", "batch_size")
+        _positive("inner", self, "lr", "total_steps", "eps", "grad_clip", "batch_size", "accum_steps")
         _check(self.warmup_steps >= 0, "inner.warmup_steps", self.warmup_steps, "must be >= 0")
         _check(
             self.warmup_steps < self.total_steps,
