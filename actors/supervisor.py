@@ -8,8 +8,8 @@ label). A supervisor thread drains the actors' events into ``metrics.jsonl`` (an
 folds them into a `dloco.tally.Tally` (running accounts and a bounded ring of recent events, so
 the driver's memory stays flat however long the run), evaluates the global model every
 `metrics.eval_every_s`, and stops the run at its token, time or step budget (or `dloco stop`:
-`dloco.control`, as is ``status.json``); ``summary.json`` (`dloco.tally.summarize`) is written at
-the end. Faults: `actors.faults.FaultInjector`.
+`actors.observe`, which also writes ``status.json`` and Ray metrics); ``summary.json``
+(`dloco.tally.summarize`) is written at the end. Faults: `actors.faults.FaultInjector`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors import health, isolation
 from actors.faults import FaultInjector
 from actors.learner import Learner
+from actors.observe import Observer
 from actors.store import FragmentStore
 from actors.syncer import Syncer
 from actors.workers import worker_env
-from dloco import build, chaos, control, events, inner
+from dloco import build, chaos, events, inner
 from dloco.config import RunConfig
 from dloco.tally import Tally, summarize
 from dloco.tensorboard import TensorBoardSink
@@ -60,7 +61,7 @@ class RunHandle:
         self._stop_requested = threading.Event()
         self._metrics_path = run_dir / "metrics.jsonl"
         self._metrics_file = open(self._metrics_path, "a")  # noqa: SIM115 - closed in stop()
-        self._tensorboard = TensorBoardSink(run_dir, fragments=bp.plan.count)  # beside metrics.jsonl
+        self._tensorboard = TensorBoardSink(run_dir, bp.plan.count, config=self.cfg_dict)  # + W&B, MLflow if set
         self._bp, self._mesh, self.corpus = bp, inner.make_mesh(), build.corpus_identity(bp.corpus)
         self._eval = inner.make_eval_step(bp.model, self._mesh)
         self._eval_set = build.eval_set(cfg, bp.corpus)
@@ -68,11 +69,11 @@ class RunHandle:
         self.fatal: str | None = None  # why the run must end early (an unrecoverable error)
         self.auth_mode = health.auth_mode()
         self.faults = FaultInjector(cfg, self.started, self._actors, self._record)
+        self.observer = Observer(run_dir.name)
 
         opts = {
             **{"namespace": self.namespace, "max_restarts": -1, "max_task_retries": -1, "num_cpus": 0},
-            # On the driver's node (the head, under `ray job submit`): the run directory (metrics, store
-            # snapshots) is the driver's, so a restarted store finds its snapshots without a shared filesystem.
+            # On the driver's node (the head, under a job): a restarted store finds its snapshots in its run dir.
             "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
             "runtime_env": {"env_vars": worker_env(cfg, accelerator=False)},
         }
@@ -293,8 +294,7 @@ class RunHandle:
                     self._record_goodput(time.time())
                 if self.progress:
                     self.progress(self.status())
-                control.publish(self.run_dir, self.status())  # for `dloco status` (every 2 s)
-                if control.stop_requested(self.run_dir, self.started):  # `dloco stop`
+                if self.observer.tick(self):  # status.json and Ray metrics, every 2 s; True: `dloco stop`
                     break
                 elapsed = time.time() - self.started
                 if (b.tokens and self.tokens_trained() >= b.tokens) or (b.seconds and elapsed >= b.seconds):

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +60,20 @@ class TensorBoardSink:
       fragments: P, for tokens merged; default ``fragments.count`` of ``run_dir/config.json``,
         else the number of distinct fragments seen so far.
       flush_secs: how often the writer flushes to disk.
+      also: objects with ``scalar(tag, value, step, walltime)`` and ``close()`` that get every
+        scalar as well; closed with this sink.
+      config: a run's config (`RunConfig.to_dict()`): the trackers its ``metrics.wandb`` and
+        ``metrics.mlflow`` turn on are added to `also` (`dloco.sinks.open_sinks`).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, fragments: int | None = None, flush_secs: float = 10.0) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        fragments: int | None = None,
+        flush_secs: float = 10.0,
+        also: Sequence = (),
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
         from tensorboardX import SummaryWriter  # lazy: importing dloco stays cheap
 
         self.run_dir = Path(run_dir)
@@ -78,10 +89,17 @@ class TensorBoardSink:
         self._counts: dict[str, int] = {}
         self._written = 0  # scalars written so far
         self._closed = False
+        self.also = list(also)  # trackers that get every scalar too (`dloco.sinks`: W&B, MLflow)
+        if config is not None:
+            from dloco.sinks import open_sinks
+
+            self.also += open_sinks(self.run_dir, config)
 
     # ---- writing -----------------------------------------------------------------------------
     def _scalar(self, tag: str, value: float, step: int, walltime: float | None) -> None:
         self._writer.add_scalar(tag, float(value), global_step=int(step), walltime=walltime)
+        for sink in self.also:
+            sink.scalar(tag, float(value), int(step), walltime)
         self._written += 1
 
     def _count(self, tag: str, step: int, walltime: float | None) -> None:
@@ -165,6 +183,8 @@ class TensorBoardSink:
         """Flushes and closes the event file; further `write` calls raise."""
         if not self._closed:
             self._writer.close()
+            for sink in self.also:
+                sink.close()
             self._closed = True
 
     def __enter__(self) -> TensorBoardSink:

@@ -335,13 +335,14 @@ def test_learners_whose_corpus_differs_from_the_drivers_refuse_to_start_and_the_
     assert (tmp_path / "summary.json").is_file() and h._metrics_file.closed
 
 
-def test_sigterm_drains_a_learner_it_pushes_its_progress_leaves_and_resumes_where_it_merged(
+def test_sigterm_drains_a_learner_it_pushes_its_progress_leaves_and_resumes_where_it_merged_and_metrics_show_it(
     ray_cluster, cfg_for, tmp_path, capsys
 ):
     """A preemption notice for real: SIGTERM to a learner's process. It pushes every fragment's
     unmerged progress at once (off schedule), waits for the merges (within learners.drain_s),
     deregisters and exits; Ray restarts it and it resumes at exactly the step it drained at, so
-    nothing it trained is lost or trained twice."""
+    nothing it trained is lost or trained twice. The same run shows its Ray metrics on the node's
+    Prometheus endpoint, and `dloco status` / `dloco stop` work on it from outside."""
     import os
     import signal
 
@@ -370,6 +371,23 @@ def test_sigterm_drains_a_learner_it_pushes_its_progress_leaves_and_resumes_wher
         assert stops and stops[0]["time"] <= back["time"]  # deregistered, then registered again
         assert (back["incarnation"], back["step"]) == (2, at)  # resumes at its merged cursor: the drained step
         wait_for(lambda: h.status()["learners"][1]["node"]["pid"] != pid, 60)
+        # the run's Ray metrics on the node's Prometheus endpoint (`actors.observe`)
+        import urllib.request
+
+        node = ray.nodes()[0]
+        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+
+        def exported():
+            body = urllib.request.urlopen(url, timeout=5).read().decode()
+            return {
+                line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                for line in body.splitlines()
+                if line.startswith("ray_dloco_") and f'run="{tmp_path.name}"' in line
+            }
+
+        gauges = wait_for(lambda: len(exported()) == 11 and exported(), 60)
+        assert gauges["ray_dloco_merges"] > 0 and 0 < gauges["ray_dloco_goodput"] <= 1, gauges
+        assert gauges["ray_dloco_tokens_trained"] > 0 and gauges["ray_dloco_bytes_up"] > 0, gauges
         # and `dloco status` / `dloco stop` from outside, through the run directory
         from actors.cli import main
 

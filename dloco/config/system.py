@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from dloco.config.check import _check, _finite, _positive, _resource
+from dloco.config.check import _check, _choice, _finite, _positive, _resource
 
 # Ray's own resource names, which `.options()` refuses inside `resources` (num_cpus/num_gpus set them).
 _RAY_NAMED = ("CPU", "GPU")
@@ -141,10 +141,14 @@ class MetricsConfig:
 
     eval_every_s: float = 10.0
     stall_threshold_s: float = 30.0
+    wandb: str = ""  # a W&B project to log to ("": off; pip install 'dloco[wandb]'; dloco.sinks)
+    wandb_mode: str = "online"  # online (wandb login) | offline (files under RUN_DIR/wandb, `wandb sync` later)
+    mlflow: str = ""  # an MLflow tracking URI, file:PATH or http(s)://HOST ("": off; pip install 'dloco[mlflow]')
 
     def __post_init__(self) -> None:
         _finite("metrics", self)
         _positive("metrics", self, "eval_every_s", "stall_threshold_s")
+        _choice("metrics", self, "wandb_mode", ("online", "offline"))
 
 
 @dataclass(frozen=True)
