@@ -16,6 +16,7 @@ directory's name), prefixed ``ray_`` by Ray:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -40,17 +41,18 @@ GAUGES = {
 
 class Observer:
     def __init__(self, run: str) -> None:
-        self.tags = {"run": run}
+        self.tags, self._last = {"run": run}, float("-inf")
         self.gauges = {k: metrics.Gauge(f"dloco_{k}", description=d, tag_keys=("run",)) for k, d in GAUGES.items()}
 
     def tick(self, handle: Any) -> bool:
         """Writes the status file and sets the gauges, at most every `control.EVERY_S` seconds;
         returns whether `dloco stop` asked the run to stop."""
-        stop = control.stop_requested(handle.run_dir, handle.started)
-        status = handle.status()
-        if not control.publish(handle.run_dir, status):
+        stop, now = control.stop_requested(handle.run_dir, handle.started), time.time()
+        if now - self._last < control.EVERY_S:
             return stop
-        now = time.time()
+        self._last, status = now, handle.status()
+        with contextlib.suppress(OSError):  # a full or read-only disk: the run goes on, `dloco status` goes stale
+            control.publish(handle.run_dir, status, now=now)
         with handle._lock:
             goodput, uptime = handle.tally.goodput(now), handle.tally.uptime(now)
             merge = handle.tally.last.get("merge")

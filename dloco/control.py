@@ -45,7 +45,7 @@ def stop_requested(run_dir: str | os.PathLike, since: float) -> bool:
     """Whether ``dloco stop`` asked this run (started at `since`, wall seconds) to stop."""
     try:
         return (Path(run_dir) / STOP).stat().st_mtime >= since
-    except FileNotFoundError:
+    except OSError:  # none (or the run dir unreadable: nobody could have asked)
         return False
 
 

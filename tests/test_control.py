@@ -56,3 +56,37 @@ def test_the_commands_print_the_state_and_refuse_a_directory_without_a_run(tmp_p
     assert err.startswith("dloco: ") and "no running dloco run here" in err and len(err.splitlines()) == 1
     assert main(["stop", str(tmp_path), "--wait", "0.2"]) == 1  # nobody acts on the request here
     assert "no summary within 0.2 s" in capsys.readouterr().err
+
+
+class _Handle:
+    """What `actors.observe.Observer.tick` reads of a `RunHandle`."""
+
+    def __init__(self, run_dir):
+        import threading
+        import time
+
+        from dloco.tally import Tally
+
+        self.run_dir, self.started, self._lock = run_dir, time.time() - 5, threading.Lock()
+        self.tally = Tally(2, 30.0, self.started)
+
+    def status(self):
+        return {**STATUS, "learners": {0: {"bytes_out": 10, "bytes_in": 30}}}
+
+
+def test_the_observer_keeps_the_run_going_when_the_status_file_cannot_be_written(tmp_path, monkeypatch):
+    """`Observer.tick` (the driver, every 2 s): a run dir that cannot take status.json (full, read
+    only) leaves `dloco status` stale but the run and its Ray metrics going; a stop request is seen."""
+    from actors.observe import Observer
+
+    monkeypatch.setattr(control, "_last", {})
+    obs, handle = Observer("r"), _Handle(tmp_path)
+    set_to = {}
+    for name, gauge in obs.gauges.items():
+        monkeypatch.setattr(gauge, "set", lambda v, tags, name=name: set_to.__setitem__(name, (v, tags)))
+    (tmp_path / "status.json").mkdir()  # os.replace onto a directory fails: as a disk that refuses the file
+    assert obs.tick(handle) is False
+    assert set_to["merges"] == (7.0, {"run": "r"}) and set_to["bytes_down"] == (30.0, {"run": "r"})
+    assert set_to["commit_gap_s"][0] >= 5.0  # no merge yet: the gap runs from the start
+    (tmp_path / "stop-requested").write_text("now")
+    assert obs.tick(handle) is True  # within 2 s: no new write, but the stop is seen at once
