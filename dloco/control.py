@@ -20,25 +20,18 @@ from pathlib import Path
 from typing import Any
 
 STATUS, STOP, SUMMARY = "status.json", "stop-requested", "summary.json"
-EVERY_S = 2.0
-_last: dict[str, float] = {}  # run dir → when its status was last written (this process)
+EVERY_S = 2.0  # how often the driver rewrites the status (`actors.observe.Observer`)
 
 
-def publish(run_dir: str | os.PathLike, status: Mapping[str, Any], now: float | None = None) -> bool:
-    """Writes ``status.json`` (atomically) if `EVERY_S` passed since this process last did; returns
-    whether it wrote."""
+def publish(run_dir: str | os.PathLike, status: Mapping[str, Any], now: float | None = None) -> None:
+    """Writes ``status.json`` atomically: `status` with when (`now`) and by which process."""
     now = time.time() if now is None else now
-    key = str(run_dir)
-    if now - _last.get(key, -1e18) < EVERY_S:
-        return False
-    _last[key] = now
     path = Path(run_dir) / STATUS
     tmp = path.with_name(f".{STATUS}.{os.getpid()}.tmp")
     tmp.write_text(
         json.dumps({**status, "updated": now, "pid": os.getpid(), "host": socket.gethostname()}, default=str)
     )
     os.replace(tmp, path)
-    return True
 
 
 def stop_requested(run_dir: str | os.PathLike, since: float) -> bool:

@@ -13,14 +13,13 @@ STATUS = {"elapsed_s": 42.0, "tokens_trained": 12_345, "budget_tokens": 400_000,
           "eval_loss": 3.5, "learners": {0: {"step": 3}, 1: {"step": 4}}, "errors": {}, "last_error": None}  # fmt: skip
 
 
-def test_status_is_written_every_two_seconds_and_read_back_with_its_state(tmp_path, monkeypatch):
-    monkeypatch.setattr(control, "_last", {})
-    assert control.publish(tmp_path, STATUS, now=1000.0)
-    assert not control.publish(tmp_path, {**STATUS, "merges": 8}, now=1001.9)  # within EVERY_S: skipped
-    assert control.publish(tmp_path, {**STATUS, "merges": 9}, now=1002.0)
+def test_the_status_is_read_back_with_its_state(tmp_path):
+    control.publish(tmp_path, STATUS, now=1000.0)
+    control.publish(tmp_path, {**STATUS, "merges": 9}, now=1002.0)  # rewritten in place
     s = control.read(tmp_path, now=1010.0)
     assert (s["state"], s["merges"], s["updated"], s["pid"]) == ("running", 9, 1002.0, os.getpid())
     assert s["learners"] == {"0": {"step": 3}, "1": {"step": 4}}  # JSON keys
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]  # no temporary file left
     assert control.read(tmp_path, now=1032.0)["state"] == "not answering"  # 30 s without an update
     (tmp_path / "summary.json").write_text(json.dumps({"merges": 11, "run_dir": str(tmp_path)}))
     assert control.read(tmp_path, now=1032.0) == {"state": "ended", "merges": 11, "run_dir": str(tmp_path)}
@@ -30,8 +29,7 @@ def test_status_is_written_every_two_seconds_and_read_back_with_its_state(tmp_pa
         control.read(tmp_path / "nothing")
 
 
-def test_a_stop_request_counts_for_runs_started_before_it_only(tmp_path, monkeypatch):
-    monkeypatch.setattr(control, "_last", {})
+def test_a_stop_request_counts_for_runs_started_before_it_only(tmp_path):
     with pytest.raises(FileNotFoundError):
         control.request_stop(tmp_path)  # no run here
     control.publish(tmp_path, STATUS, now=5.0)
@@ -44,8 +42,7 @@ def test_a_stop_request_counts_for_runs_started_before_it_only(tmp_path, monkeyp
         control.request_stop(tmp_path)
 
 
-def test_the_commands_print_the_state_and_refuse_a_directory_without_a_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(control, "_last", {})
+def test_the_commands_print_the_state_and_refuse_a_directory_without_a_run(tmp_path, capsys):
     control.publish(tmp_path, STATUS)
     assert main(["status", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -79,7 +76,6 @@ def test_the_observer_keeps_the_run_going_when_the_status_file_cannot_be_written
     only) leaves `dloco status` stale but the run and its Ray metrics going; a stop request is seen."""
     from actors.observe import Observer
 
-    monkeypatch.setattr(control, "_last", {})
     obs, handle = Observer("r"), _Handle(tmp_path)
     set_to = {}
     for name, gauge in obs.gauges.items():
@@ -88,5 +84,10 @@ def test_the_observer_keeps_the_run_going_when_the_status_file_cannot_be_written
     assert obs.tick(handle) is False
     assert set_to["merges"] == (7.0, {"run": "r"}) and set_to["bytes_down"] == (30.0, {"run": "r"})
     assert set_to["commit_gap_s"][0] >= 5.0  # no merge yet: the gap runs from the start
+    (tmp_path / "status.json").rmdir()
+    set_to.clear()
     (tmp_path / "stop-requested").write_text("now")
-    assert obs.tick(handle) is True  # within 2 s: no new write, but the stop is seen at once
+    assert obs.tick(handle) is True  # the stop is seen at once ...
+    assert set_to == {} and not (tmp_path / "status.json").exists()  # ... within 2 s: nothing rewritten
+    obs._last -= control.EVERY_S
+    assert obs.tick(handle) is True and (tmp_path / "status.json").is_file() and set_to["merges"][0] == 7.0
