@@ -16,7 +16,7 @@ after the step; `freeze(seconds)` keeps the learner alive but silent; emulated W
 (`learners.groups[].latency_s`) delays each push's announcement and hands each update over that
 many seconds after it arrived.
 
-Preemption notice: SIGTERM (what Ray and Kubernetes send before they take a node) makes `run` push
+Preemption notice: SIGTERM (an OS shutdown's or Kubernetes' notice before a node goes) makes `run` push
 the learner's unmerged progress at once (`LearnerService.drain`), wait up to `learners.drain_s`
 for those pushes to merge, record a ``learner_drain`` event and then end the process as the signal
 asked; Ray restarts the actor (on another node if this one goes) and it resumes from its merged
