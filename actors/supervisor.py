@@ -6,7 +6,7 @@ compare-and-set, registration hands out a new incarnation, `run` resumes from th
 take their group's resources (``num_cpus``, ``num_gpus``, custom resources such as a region
 label). A supervisor thread drains the actors' events into ``metrics.jsonl`` (and TensorBoard),
 folds them into a `dloco.tally.Tally` (running accounts and a bounded ring of recent events, so
-the driver's memory stays flat however long the run), has the evaluator actor evaluate the global model every
+the driver's memory stays flat however long the run), evaluates the global model every
 `metrics.eval_every_s`, and stops the run at its token, time or step budget (or `dloco stop`:
 `actors.observe`, which also writes ``status.json`` and Ray metrics); ``summary.json``
 (`dloco.tally.summarize`) is written at the end. Faults: `actors.faults.FaultInjector`.
@@ -26,14 +26,14 @@ from typing import Any, cast
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors import evaluator, health, isolation
+from actors import health, isolation
 from actors.faults import FaultInjector
 from actors.learner import Learner
 from actors.observe import Observer
 from actors.store import FragmentStore
 from actors.syncer import Syncer
 from actors.workers import worker_env
-from dloco import build, chaos, events
+from dloco import build, chaos, events, inner
 from dloco.config import RunConfig
 from dloco.tally import Tally, summarize
 from dloco.tensorboard import TensorBoardSink
@@ -62,7 +62,9 @@ class RunHandle:
         self._metrics_path = run_dir / "metrics.jsonl"
         self._metrics_file = open(self._metrics_path, "a")  # noqa: SIM115 - closed in stop()
         self._tensorboard = TensorBoardSink(run_dir, bp.plan.count, config=self.cfg_dict)  # + W&B, MLflow if set
-        self._bp, self.corpus = bp, build.corpus_identity(bp.corpus)  # the model is evaluated off the driver
+        self._bp, self._mesh, self.corpus = bp, inner.make_mesh(), build.corpus_identity(bp.corpus)
+        self._eval = inner.make_eval_step(bp.model, self._mesh)
+        self._eval_set = build.eval_set(cfg, bp.corpus)
         self.summary: dict[str, Any] | None = None
         self.fatal: str | None = None  # why the run must end early (an unrecoverable error)
         self.auth_mode = health.auth_mode()
@@ -79,7 +81,6 @@ class RunHandle:
             cast(Any, ray.remote(FragmentStore)).options(name="store", **opts).remote(self.cfg_dict, str(run_dir))
         )
         self.syncer: Any = None
-        self.evaluator: Any = None
         try:
             health.started(self.store, "store")
             # threaded: pushes are accepted on Ray's threads while one thread closes rounds
@@ -89,11 +90,9 @@ class RunHandle:
                 .remote(self.cfg_dict, "store", self.namespace)
             )
             health.started(self.syncer, "syncer")
-            self.evaluator = evaluator.spawn(cfg, self.namespace, self.corpus, opts)
-            health.started(self.evaluator, "evaluator")
             self.eval_loss_start = self.evaluate()
         except BaseException:
-            for a in (self.store, self.syncer, self.evaluator):
+            for a in (self.store, self.syncer):
                 if a is not None:
                     ray.kill(a, no_restart=True)
             self._metrics_file.close()
@@ -169,8 +168,9 @@ class RunHandle:
         return self._bp.plan.join(ray.get(self.store.fragments.remote(), timeout=timeout)[1])
 
     def evaluate(self, timeout: float | None = 120.0) -> float:
-        """Validation loss of the current global model, from the evaluator actor (`actors.evaluator`)."""
-        return float(ray.get(self.evaluator.evaluate.remote(), timeout=timeout)["loss"])
+        """Validation loss of the current global model (`params`)."""
+        params = inner.replicate(self.params(timeout), self._mesh)
+        return inner.evaluate(self._eval, params, self._eval_set, self._mesh)
 
     def status(self) -> dict[str, Any]:
         """Counters and the newest evaluation, from the running tally (O(learners))."""
@@ -285,8 +285,8 @@ class RunHandle:
                     last_eval = time.time()
                     try:
                         loss = self.evaluate(timeout=max(10.0, self.cfg.metrics.eval_every_s))
-                    except ray.exceptions.ActorDiedError as e:  # the evaluator, or the store it reads
-                        self._failed("evaluator", e)
+                    except ray.exceptions.ActorDiedError as e:
+                        self._failed("store", e)
                         break
                     except ray.exceptions.RayError:
                         continue  # the store is restarting (or slow): evaluate at the next tick
@@ -380,7 +380,7 @@ class RunHandle:
         """Ends the run now: final evaluation, summary.json, actors removed, local Ray stopped."""
         self._stop_requested.set()
         self._thread.join()
-        for a in [*self.learners.values(), self.evaluator, self.syncer, self.store]:
+        for a in [*self.learners.values(), self.syncer, self.store]:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a, no_restart=True)
         if self.cfg.learners.cpu_limit > 0:
