@@ -74,3 +74,14 @@ def test_one_line_keeps_the_remote_exception_line():
         == "dloco.durable.RunDirLocked: run dir /r/store is in use by another store (pid 12 on host h)"
     )
     assert health.one_line(ValueError()) == "ValueError"
+
+
+def test_a_learner_that_left_and_registers_again_is_provisioned_again():
+    """A drained learner (SIGTERM: `learner_stop` when it deregisters) that Ray restarts is provisioned
+    from its first start to the end, the gap included, as a killed one is: goodput never gains by a drain."""
+    t = Tally(2, 30.0, 0.0)
+    t.add({"event": "learner_start", "time": 0.0, "learner": 1, "incarnation": 1, "cursor": None, "step": 0})
+    t.add({"event": "learner_stop", "time": 40.0, "learner": 1})
+    assert t.learner_time(100.0)[1]["provisioned"] == 40.0  # left for good: provisioned until then
+    t.add({"event": "learner_restart", "time": 55.0, "learner": 1, "incarnation": 2, "cursor": None, "step": 96})
+    assert t.learner_time(100.0)[1]["provisioned"] == 100.0  # back: 0 → 100 s, the 15 s gap included
