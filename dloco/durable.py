@@ -65,12 +65,18 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def write(path: str | os.PathLike, payload: bytes) -> None:
     """Atomically and durably replaces `path` with the checksummed `payload` (OSError on failure)."""
+    replace_bytes(path, _HEADER.pack(MAGIC, len(payload), _digest(payload)), payload)
+
+
+def replace_bytes(path: str | os.PathLike, *parts: bytes) -> None:
+    """Atomically and durably replaces `path` with the concatenated `parts` as they are (a copy of a
+    file `write` made keeps its header, so it verifies wherever it lands)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(_HEADER.pack(MAGIC, len(payload), _digest(payload)))
-            fh.write(payload)
+            for part in parts:
+                fh.write(part)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

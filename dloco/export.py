@@ -10,7 +10,7 @@ An export is a directory:
     tokenizer.json               the BPE tokenizer, when the run used one
 
 `read_run` reads the global model of a run directory without touching the run: the newest state
-that verifies (`dloco.store.read_global`), so a running store may go on writing beside it; a
+that verifies (`read_global`), so a running store may go on writing beside it; a
 fragment that never merged is still its initial Θ_p⁰. ``snapshot=N`` reads the state after N
 commits instead (one of the snapshots the store keeps): with P fragments, each with its own
 version, the snapshots are the consistent cuts that exist on disk.
@@ -18,6 +18,7 @@ version, the snapshots are the consistent cuts that exist on disk.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -31,11 +32,11 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from dloco import config, model
+from dloco import config, durable, model
 from dloco.config import RunConfig
 from dloco.data import Tokenizer
 from dloco.fragments import flatten, unflatten
-from dloco.store import read_global
+from dloco.store import SNAP_NAME, WAL_NAME, CorruptFileError, load_fragment
 
 FORMATS = ("safetensors", "orbax")
 META = "dloco.json"
@@ -63,6 +64,36 @@ class Exported:
 
     def module(self) -> nn.Module:
         return model.build(self.cfg.model, self.vocab_size)
+
+
+def read_global(root: str | os.PathLike, count: int, snapshot: int | None = None) -> tuple[list, list, str]:
+    """The global model a store directory holds, read only (no lock, nothing moved: a running
+    store may write beside it): (versions, Θ_p per fragment: None for one never committed, which
+    is Θ_p⁰, where from). The newest snapshot that
+    verifies, then each fragment's newest log file that verifies, if newer; with `snapshot`, that
+    snapshot (``snap-<snapshot>``, the state after that many commits) alone. Raises
+    `FileNotFoundError` naming what is there when nothing (or not that snapshot) verifies."""
+    root, source = Path(root), ""
+    frs: list = [None] * count
+    snaps = [(n, p) for (n,), p in durable.numbered(root, SNAP_NAME) if p.is_dir()]
+    for _, snap in reversed([(n, p) for n, p in snaps if snapshot in (None, n)]):
+        with contextlib.suppress(CorruptFileError):
+            frs, source = list(load_fragment(snap / f"p{p:03d}.npz") for p in range(count)), snap.name
+            break
+    if snapshot is not None and not source:
+        raise FileNotFoundError(f"{root}: no intact snapshot after {snapshot} commits (kept: {[n for n, _ in snaps]})")
+    log = durable.numbered(root / "wal", WAL_NAME) if snapshot is None and (root / "wal").is_dir() else []
+    for p in range(count):
+        for (_, v), path in reversed([e for e in log if e[0][0] == p]):
+            held = frs[p]
+            if held is not None and v <= held.version:
+                break
+            with contextlib.suppress(CorruptFileError):
+                frs[p], source = load_fragment(path), source or "log"
+                break
+    if all(f is None for f in frs):
+        raise FileNotFoundError(f"{root}: no commit to read (is it a run's store directory, and has it merged?)")
+    return [0 if f is None else f.version for f in frs], [None if f is None else f.values for f in frs], source
 
 
 def _run_config(run_dir: Path) -> tuple[RunConfig, dict]:

@@ -13,6 +13,8 @@ versions, registry), written in ``tmp-*`` and renamed, the last `store.keep` kep
 pruned (a failed snapshot goes to `errors`, its commit stands, and is tried again when next due);
 ``registry.json``; ``LOCK``, flocked until `close` (a second store raises `RunDirLocked`); and
 ``quarantine/``: damaged files and snapshots moved aside (never deleted), listed in `quarantined`.
+With a `mirror` (`dloco.mirror`), each write is copied to a `pyarrow.fs` URI before it returns, and
+a start with an empty `root` first pulls the URI's copy (the head node and its disk lost).
 
 Versions are the integers in the names (``:08d`` is a minimum width). A start restores the newest
 snapshot that verifies completely, else an older one, then per fragment the newest log file that
@@ -27,7 +29,6 @@ commit can be retried safely after a store restart.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -39,6 +40,7 @@ import numpy as np
 from dloco import durable
 from dloco.durable import CorruptFileError, RunDirLocked
 from dloco.ledger import MergedPush, merged_cursor, record, tokens_merged
+from dloco.mirror import Mirror
 
 __all__ = ["Commit", "CommitResult", "CorruptFileError", "MergedPush", "Registration", "RunDirLocked", "StoreCore"]
 
@@ -95,7 +97,7 @@ class _Fragment:
     norms: list[float] = field(default_factory=list)  # the syncer's outlier-check history (§5), oldest first
 
 
-_WAL, _SNAP = re.compile(r"p(\d+)-v(\d+)\.npz"), re.compile(r"snap-(\d+)")
+WAL_NAME, SNAP_NAME = re.compile(r"p(\d+)-v(\d+)\.npz"), re.compile(r"snap-(\d+)")
 
 
 def _save_fragment(path: Path, f: _Fragment) -> None:
@@ -106,7 +108,7 @@ def _save_fragment(path: Path, f: _Fragment) -> None:
     durable.write_npz(path, arrays, {**meta, "norms": f.norms})
 
 
-def _load_fragment(path: Path) -> _Fragment:
+def load_fragment(path: Path) -> _Fragment:
     """The fragment in `path`, verified; `CorruptFileError` if it is missing, damaged or unreadable."""
     z, meta = durable.read_npz(path)
     try:
@@ -125,36 +127,6 @@ def _registry(state: dict) -> tuple[dict[int, int], set[int]]:
     return {int(k): int(v) for k, v in state["registry"].items()}, {int(m) for m in state["retired"]}
 
 
-def read_global(root: str | os.PathLike, count: int, snapshot: int | None = None) -> tuple[list, list, str]:
-    """The global model a store directory holds, read only (no lock, nothing moved: a running
-    store may write beside it): (versions, Θ_p per fragment: None for one never committed, which
-    is Θ_p⁰, where from). The newest snapshot that
-    verifies, then each fragment's newest log file that verifies, if newer; with `snapshot`, that
-    snapshot (``snap-<snapshot>``, the state after that many commits) alone. Raises
-    `FileNotFoundError` naming what is there when nothing (or not that snapshot) verifies."""
-    root, source = Path(root), ""
-    frs: list[_Fragment | None] = [None] * count
-    snaps = [(n, p) for (n,), p in durable.numbered(root, _SNAP) if p.is_dir()]
-    for _, snap in reversed([(n, p) for n, p in snaps if snapshot in (None, n)]):
-        with contextlib.suppress(CorruptFileError):
-            frs, source = list(_load_fragment(snap / f"p{p:03d}.npz") for p in range(count)), snap.name
-            break
-    if snapshot is not None and not source:
-        raise FileNotFoundError(f"{root}: no intact snapshot after {snapshot} commits (kept: {[n for n, _ in snaps]})")
-    log = durable.numbered(root / "wal", _WAL) if snapshot is None and (root / "wal").is_dir() else []
-    for p in range(count):
-        for (_, v), path in reversed([e for e in log if e[0][0] == p]):
-            held = frs[p]
-            if held is not None and v <= held.version:
-                break
-            with contextlib.suppress(CorruptFileError):
-                frs[p], source = _load_fragment(path), source or "log"
-                break
-    if all(f is None for f in frs):
-        raise FileNotFoundError(f"{root}: no commit to read (is it a run's store directory, and has it merged?)")
-    return [0 if f is None else f.version for f in frs], [None if f is None else f.values for f in frs], source
-
-
 class StoreCore:
     """Authoritative global state of a run, durable under `root` (see module docstring).
 
@@ -165,6 +137,7 @@ class StoreCore:
       snapshot_every: consolidate into a snapshot every this many commits.
       keep: snapshots kept.
       lock_wait_s: wait this long for the directory's lock (a predecessor may be exiting), then `RunDirLocked`.
+      mirror: the URI copy of `root`, opened here (`dloco.mirror.StaleStoreDir` if `root` is older).
     """
 
     def __init__(
@@ -175,8 +148,9 @@ class StoreCore:
         snapshot_every: int = 8,
         keep: int = 3,
         lock_wait_s: float = 10.0,
+        mirror: Mirror | None = None,
     ) -> None:
-        self.root = Path(root)
+        self.root, self.mirror = Path(root), mirror
         durable.mkdir(self.root)
         self._lock = durable.RunDirLock(self.root)
         self._lock.acquire(lock_wait_s)
@@ -193,8 +167,13 @@ class StoreCore:
             for f, o in zip(initial, initial_outer, strict=True)
         ]
         try:
+            if mirror is not None:
+                mirror.open(self.root, {"shapes": [{k: list(np.shape(v)) for k, v in f.items()} for f in initial]})
             durable.mkdir(self.root / "wal")
             self._restore()
+            if mirror is not None and mirror.pulled:
+                self.restored_from = f"{self.restored_from} (pulled from {mirror.uri})"
+            self._mirrored()  # what the restore set aside or rebuilt
         except BaseException:
             self._lock.release()
             raise
@@ -278,6 +257,7 @@ class StoreCore:
                 self.snapshot()
             except Exception as e:
                 self._error("snapshot", e)
+        self._mirrored()
         return CommitResult(True, new.version, "committed")
 
     def snapshot(self) -> Path:
@@ -303,6 +283,15 @@ class StoreCore:
     def _save_registry(self, registry: dict[int, int], retired: set[int]) -> None:
         self._check_open()
         durable.write_json(self.root / "registry.json", self._registry_state(registry, retired))
+        self._mirrored()
+
+    def _mirrored(self) -> None:
+        """Copies what changed to the mirror; a failure is recorded (the local write stands)."""
+        try:
+            if self.mirror is not None:
+                self.mirror.sync()
+        except Exception as e:
+            self._error("mirror", e)
 
     def _error(self, op: str, e: BaseException) -> None:
         self.errors.append({"op": op, "commits": self.commits, "error": f"{type(e).__name__}: {e}"})
@@ -311,7 +300,7 @@ class StoreCore:
 
     def _snapshots(self) -> list[Path]:
         """Snapshot directories, oldest first (by the number in the name, not the name)."""
-        return [p for _, p in durable.numbered(self.root, _SNAP) if p.is_dir()]
+        return [p for _, p in durable.numbered(self.root, SNAP_NAME) if p.is_dir()]
 
     def _prune(self) -> None:
         snaps = self._snapshots()
@@ -322,7 +311,7 @@ class StoreCore:
             floor = [int(v) for v in durable.read_json(snaps[-self.keep :][0] / "meta.json")["versions"]]
         except (CorruptFileError, KeyError, TypeError, ValueError):
             return  # keep the log: a restore may have to fall back past that snapshot
-        for (p, v), path in durable.numbered(self.root / "wal", _WAL):
+        for (p, v), path in durable.numbered(self.root / "wal", WAL_NAME):
             if p < len(floor) and v <= floor[p]:
                 path.unlink(missing_ok=True)
         durable.fsync_dir(self.root / "wal")
@@ -330,7 +319,7 @@ class StoreCore:
     def _load_snapshot(self, snap: Path) -> tuple[dict, list[_Fragment]]:
         """The snapshot's meta and fragments, all verified; `CorruptFileError` naming the first bad one."""
         meta = durable.read_json(snap / "meta.json")
-        frs = [_load_fragment(snap / f"p{p:03d}.npz") for p in range(len(self.fragments))]
+        frs = [load_fragment(snap / f"p{p:03d}.npz") for p in range(len(self.fragments))]
         try:
             _ = int(meta["commits"]), _registry(meta)
             differ = [int(meta["versions"][p]) for p in range(len(frs))] != [f.version for f in frs]
@@ -351,13 +340,13 @@ class StoreCore:
                 continue
             self.fragments, self.commits, self.restored_from = frs, int(meta["commits"]), snap.name
             break
-        log = durable.numbered(self.root / "wal", _WAL)  # oldest first, by (fragment, version)
+        log = durable.numbered(self.root / "wal", WAL_NAME)  # oldest first, by (fragment, version)
         for p in range(len(self.fragments)):
             for (_, v), path in reversed([e for e in log if e[0][0] == p]):  # the newest that verifies, if newer
                 if v <= self.fragments[p].version:
                     break
                 try:
-                    f = _load_fragment(path)
+                    f = load_fragment(path)
                     if f.version != v:
                         raise CorruptFileError(path, f"holds version {f.version}, not {v}")
                 except CorruptFileError as e:
@@ -392,4 +381,5 @@ class StoreCore:
 
     def summary(self) -> dict:
         d = {"versions": self.versions, "commits": self.commits, "registry": dict(self.registry)}
+        d["mirror"] = None if self.mirror is None else self.mirror.summary()
         return {**d, "restored_from": self.restored_from, "tokens_merged": self.tokens_merged()}

@@ -255,3 +255,12 @@ def test_the_run_configs_drain_within_their_clouds_notice():
     notice = {"aws_gpu_multiregion.run.yaml": 120, "gcp_tpu_multiregion.run.yaml": 30, "kuberay_rayjob.run.yaml": 30}
     for name, seconds in notice.items():
         assert 0 < config.load(CONFIGS / name).learners.drain_s < seconds, name
+
+
+def test_the_cloud_run_configs_carry_a_store_mirror_on_their_clouds_bucket(tmp_path):
+    """The commented `store: {mirror: …}` line, uncommented, loads with the cloud's own scheme."""
+    for name, scheme in {"aws_gpu_multiregion.run.yaml": "s3://", "gcp_tpu_multiregion.run.yaml": "gs://"}.items():
+        text = (CONFIGS / name).read_text()
+        line = next(x for x in text.splitlines() if x.startswith("# store: {mirror: "))
+        (tmp_path / name).write_text(text.replace(line, line[2:]))
+        assert config.load(tmp_path / name).store.mirror.startswith(scheme), name

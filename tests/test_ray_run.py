@@ -55,17 +55,22 @@ def test_killed_learner_restarts_resumes_and_others_never_stall(ray_cluster, cfg
         h.stop()
 
 
-def test_killed_store_restores_snapshot_without_losing_versions(ray_cluster, cfg_for, tmp_path):
+def test_killed_store_with_its_disk_lost_restores_from_its_mirror_without_losing_versions(
+    ray_cluster, cfg_for, tmp_path
+):
     from actors.launch import start
 
-    h = start(cfg_for("learners.count=2", "budget.seconds=600"), run_dir=tmp_path)
+    bucket, run = tmp_path / "bucket", tmp_path / "run"
+    h = start(cfg_for("learners.count=2", "budget.seconds=600", f"store.mirror={bucket.as_uri()}"), run_dir=run)
     try:
-        wait_for(lambda: len(merges(h)) >= 6)
+        wait_for(lambda: len(merges(h)) >= 6 and list(bucket.glob("snap-*")))
         before = ray.get(h.store.summary.remote())["versions"]
-        h.kill_store()
+        (run / "store").rename(tmp_path / "lost")  # the head's disk is gone (later commits fail, unapplied)
+        h.kill_store()  # and so is the store: its successor finds an empty run dir
         after = wait_for(lambda: [e for e in h.metrics("store_start") if e.get("restored_from")], timeout=120)[0]
+        assert after["restored_from"].endswith(f"(pulled from {bucket.as_uri()})"), after
         assert all(a >= b for a, b in zip(after["versions"], before, strict=True)), (before, after["versions"])
-        assert (tmp_path / "store").exists() and list((tmp_path / "store").glob("snap-*"))
+        assert list((run / "store").glob("snap-*"))
         n = len(merges(h))
         wait_for(lambda: len(merges(h)) >= n + 3)  # training and merging continue
         versions = ray.get(h.store.summary.remote())["versions"]

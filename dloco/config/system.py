@@ -118,6 +118,11 @@ class StoreConfig:
     `copies_mb`: the most memory the store spends on what each learner holds (the per-learner
     copies of `compression.publish: delta` with `learner.install: own`); past it, the least
     recently used are dropped and their learners sent their next version in full.
+    `mirror`: a `pyarrow.fs` URI (``gs://bucket/run``, ``s3://bucket/run``, ``file:///mnt/shared/run``)
+    that receives a copy of every commit, snapshot and registry write before the store answers, so
+    that the run survives losing the head node and its disk: a store that starts with an empty
+    ``run_dir/store`` restores from it. One store holds a mirror at a time (a lease renewed at each
+    write; a holder on another host that stops renewing is taken over after `mirror_lease_s`).
     """
 
     snapshot_every: int = 8
@@ -126,10 +131,19 @@ class StoreConfig:
     object_store_mb: int = 512
     fail_after_s: float = 300.0
     copies_mb: int = 2048
+    mirror: str = ""
+    mirror_lease_s: float = 120.0
 
     def __post_init__(self) -> None:
         _finite("store", self)
-        _positive("store", self, "snapshot_every", "keep", "long_poll_s", "fail_after_s", "copies_mb")
+        _positive("store", self, "snapshot_every", "keep", "long_poll_s", "fail_after_s", "copies_mb", "mirror_lease_s")
+        scheme = self.mirror.partition("://")[0]
+        _check(
+            not self.mirror or ("://" in self.mirror and scheme.isidentifier() and self.mirror.split("://")[1]),
+            "store.mirror",
+            self.mirror,
+            "must be empty or a URI with a scheme and a path (gs://bucket/run, s3://bucket/run, file:///abs/dir)",
+        )
         _check(
             self.object_store_mb >= 80, "store.object_store_mb", self.object_store_mb, "must be >= 80 (Ray's minimum)"
         )

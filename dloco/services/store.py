@@ -27,6 +27,7 @@ from typing import Any
 
 from dloco import build, events, publish
 from dloco.config import BLOCKING_ALGORITHMS, RunConfig
+from dloco.mirror import Mirror
 from dloco.services.wire import Clock, Transport, Update
 from dloco.store import Commit, CommitResult, Registration, StoreCore
 
@@ -54,6 +55,7 @@ class StoreService:
             cfg.store.snapshot_every,
             cfg.store.keep,
             lock_wait_s,
+            Mirror(cfg.store.mirror, cfg.store.mirror_lease_s) if cfg.store.mirror else None,
         )
         c = cfg.compression
         self.per_learner = cfg.learner.install == "own" and c.publish == "delta"
