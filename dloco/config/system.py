@@ -139,7 +139,7 @@ class StoreConfig:
         _positive("store", self, "snapshot_every", "keep", "long_poll_s", "fail_after_s", "copies_mb", "mirror_lease_s")
         scheme = self.mirror.partition("://")[0]
         _check(
-            not self.mirror or ("://" in self.mirror and scheme.isidentifier() and self.mirror.split("://")[1]),
+            not self.mirror or ("://" in self.mirror and scheme.isidentifier() and bool(self.mirror.split("://")[1])),
             "store.mirror",
             self.mirror,
             "must be empty or a URI with a scheme and a path (gs://bucket/run, s3://bucket/run, file:///abs/dir)",
