@@ -29,6 +29,7 @@ commit can be retried safely after a store restart.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -179,7 +180,10 @@ class StoreCore:
             raise
 
     def close(self) -> None:
-        """Releases the directory's lock (idempotent); writes are refused afterwards."""
+        """Releases the directory's lock and the mirror's lease (idempotent); writes are refused afterwards."""
+        if self._lock.held and self.mirror is not None:
+            with contextlib.suppress(Exception):  # unreachable: its lease runs out by itself
+                self.mirror.close()
         self._lock.release()
 
     def _check_open(self) -> None:

@@ -99,6 +99,7 @@ def test_a_stale_store_dir_is_refused_and_nothing_is_overwritten(tmp_path):
 def test_a_mirror_of_another_run_is_refused(tmp_path):
     bucket = (tmp_path / "bucket").as_uri()
     scenario(tmp_path / "a", bucket, upto=2).close()
+    assert not (tmp_path / "bucket" / HOLDER).exists()  # closed cleanly: its lease given up
     with pytest.raises(StaleStoreDir, match="holds another run .a model of other shapes.: use another URI"):
         StoreCore(tmp_path / "b", [{"a": np.zeros(5, np.float32)}], [[np.zeros(5, np.float32)]], mirror=Mirror(bucket))
 
