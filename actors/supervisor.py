@@ -7,9 +7,10 @@ take their group's resources (``num_cpus``, ``num_gpus``, custom resources such 
 label). A supervisor thread drains the actors' events into ``metrics.jsonl`` (and TensorBoard),
 folds them into a `dloco.tally.Tally` (running accounts and a bounded ring of recent events, so
 the driver's memory stays flat however long the run), evaluates the global model every
-`metrics.eval_every_s`, and stops the run at its token, time or step budget (or `dloco stop`:
-`actors.observe`, which also writes ``status.json`` and Ray metrics); ``summary.json``
-(`dloco.tally.summarize`) is written at the end. Faults: `actors.faults.FaultInjector`.
+`metrics.eval_every_s` (`actors.evaluator`: on the driver, or an actor with its own resources)
+and stops the run at its token, time or step budget (or `dloco stop`: `actors.observe`, which
+also writes ``status.json`` and Ray metrics); ``summary.json`` (`dloco.tally.summarize`) is
+written at the end. Faults: `actors.faults.FaultInjector`.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from typing import Any, cast
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors import health, isolation
+from actors import evaluator, health, isolation
 from actors.faults import FaultInjector
 from actors.learner import Learner
 from actors.observe import Observer
 from actors.store import FragmentStore
 from actors.syncer import Syncer
 from actors.workers import worker_env
-from dloco import build, chaos, events, inner
+from dloco import build, chaos, events
 from dloco.config import RunConfig
 from dloco.tally import Tally, summarize
 from dloco.tensorboard import TensorBoardSink
@@ -62,9 +63,8 @@ class RunHandle:
         self._metrics_path = run_dir / "metrics.jsonl"
         self._metrics_file = open(self._metrics_path, "a")  # noqa: SIM115 - closed in stop()
         self._tensorboard = TensorBoardSink(run_dir, bp.plan.count, config=self.cfg_dict)  # + W&B, MLflow if set
-        self._bp, self._mesh, self.corpus = bp, inner.make_mesh(), build.corpus_identity(bp.corpus)
-        self._eval = inner.make_eval_step(bp.model, self._mesh)
-        self._eval_set = build.eval_set(cfg, bp.corpus)
+        self._bp, self.corpus = bp, build.corpus_identity(bp.corpus)
+        self._on_driver = None if evaluator.placed(cfg) else evaluator.OnDriver(cfg, bp)
         self.summary: dict[str, Any] | None = None
         self.fatal: str | None = None  # why the run must end early (an unrecoverable error)
         self.auth_mode = health.auth_mode()
@@ -81,6 +81,7 @@ class RunHandle:
             cast(Any, ray.remote(FragmentStore)).options(name="store", **opts).remote(self.cfg_dict, str(run_dir))
         )
         self.syncer: Any = None
+        self.evaluator: Any = None
         try:
             health.started(self.store, "store")
             # threaded: pushes are accepted on Ray's threads while one thread closes rounds
@@ -90,9 +91,12 @@ class RunHandle:
                 .remote(self.cfg_dict, "store", self.namespace)
             )
             health.started(self.syncer, "syncer")
+            if self._on_driver is None:
+                self.evaluator = evaluator.spawn(cfg, self.namespace, self.corpus, opts)
+                health.started(self.evaluator, "evaluator")
             self.eval_loss_start = self.evaluate()
         except BaseException:
-            for a in (self.store, self.syncer):
+            for a in (self.store, self.syncer, self.evaluator):
                 if a is not None:
                     ray.kill(a, no_restart=True)
             self._metrics_file.close()
@@ -101,12 +105,8 @@ class RunHandle:
         self._record(events.Eval(time=time.time(), loss=self.eval_loss_start, tokens=0).to_dict())
         for m in range(cfg.learners.count):
             self._spawn(m)
-        stragglers = sorted(chaos.stragglers(cfg.chaos, cfg.learners.count))
-        self._record(
-            events.Chaos(
-                time=time.time(), seed=cfg.chaos.seed, faults=len(self.faults.schedule), stragglers=stragglers
-            ).to_dict()
-        )
+        n, stragglers = len(self.faults.schedule), sorted(chaos.stragglers(cfg.chaos, cfg.learners.count))
+        self._record(events.Chaos(time=time.time(), seed=cfg.chaos.seed, faults=n, stragglers=stragglers).to_dict())
         self._thread = threading.Thread(target=self._supervise, name="dloco-supervisor", daemon=True)
         self._thread.start()
         self.faults.start()
@@ -168,9 +168,10 @@ class RunHandle:
         return self._bp.plan.join(ray.get(self.store.fragments.remote(), timeout=timeout)[1])
 
     def evaluate(self, timeout: float | None = 120.0) -> float:
-        """Validation loss of the current global model (`params`)."""
-        params = inner.replicate(self.params(timeout), self._mesh)
-        return inner.evaluate(self._eval, params, self._eval_set, self._mesh)
+        """Validation loss of the current global model (`actors.evaluator`)."""
+        if self._on_driver is not None:
+            return self._on_driver(ray.get(self.store.fragments.remote(), timeout=timeout)[1])
+        return float(ray.get(self.evaluator.evaluate.remote(), timeout=timeout)["loss"])
 
     def status(self) -> dict[str, Any]:
         """Counters and the newest evaluation, from the running tally (O(learners))."""
@@ -285,8 +286,8 @@ class RunHandle:
                     last_eval = time.time()
                     try:
                         loss = self.evaluate(timeout=max(10.0, self.cfg.metrics.eval_every_s))
-                    except ray.exceptions.ActorDiedError as e:
-                        self._failed("store", e)
+                    except ray.exceptions.ActorDiedError as e:  # the evaluator, or the store it reads
+                        self._failed("store" if self.evaluator is None else "evaluator", e)
                         break
                     except ray.exceptions.RayError:
                         continue  # the store is restarting (or slow): evaluate at the next tick
@@ -380,7 +381,7 @@ class RunHandle:
         """Ends the run now: final evaluation, summary.json, actors removed, local Ray stopped."""
         self._stop_requested.set()
         self._thread.join()
-        for a in [*self.learners.values(), self.syncer, self.store]:
+        for a in [*self.learners.values(), self.evaluator, self.syncer, self.store]:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a, no_restart=True)
         if self.cfg.learners.cpu_limit > 0:

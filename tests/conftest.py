@@ -38,11 +38,17 @@ def tiny_run(data_cache):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster for one test module (4 CPUs, 512 MiB object store, loopback only)."""
+    """A local Ray cluster for one test module (4 CPUs, an ``evaluator`` resource, 512 MiB object
+    store, loopback only)."""
     import ray
 
     ray.init(
-        address="local", num_cpus=4, include_dashboard=False, object_store_memory=512 * 1024**2, log_to_driver=False
+        address="local",
+        num_cpus=4,
+        resources={"evaluator": 1},
+        include_dashboard=False,
+        object_store_memory=512 * 1024**2,
+        log_to_driver=False,
     )
     yield
     ray.shutdown()

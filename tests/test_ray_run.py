@@ -80,10 +80,18 @@ def test_killed_store_with_its_disk_lost_restores_from_its_mirror_without_losing
 
 
 def test_killed_syncer_is_rebuilt_from_the_store_and_merging_resumes(ray_cluster, cfg_for, tmp_path):
+    """Also the evaluator actor, placed by its resource (the driver holds no model): killed, it
+    restarts and the run's evaluations go on; its loss is the model's on the run's validation batches."""
     from actors.launch import start
+    from dloco import inner
 
-    h = start(cfg_for("learners.count=2", "budget.seconds=600"), run_dir=tmp_path)
+    cfg = cfg_for(
+        "learners.count=2", "budget.seconds=600", "metrics.eval_every_s=2", "metrics.eval_resources={evaluator: 1}"
+    )
+    h = start(cfg, run_dir=tmp_path)
     try:
+        assert h._on_driver is None and h.evaluator is not None
+        wait_for(lambda: ray.available_resources().get("evaluator", 0) == 0)  # the actor holds the resource
         wait_for(lambda: len(merges(h)) >= 4)
         h.kill_syncer()
         killed_at = time.time()
@@ -93,6 +101,20 @@ def test_killed_syncer_is_rebuilt_from_the_store_and_merging_resumes(ray_cluster
         wait_for(lambda: len(merges(h, restarted["time"])) >= 3)
         new = merges(h, restarted["time"])
         assert new[0]["version"] >= restarted["versions"][new[0]["fragment"]] + 1
+        ray.kill(h.evaluator, no_restart=False)
+        evaluator_killed = time.time()
+        wait_for(lambda: [e for e in h.metrics("eval") if e["time"] > evaluator_killed + 1], 120)
+        assert h.status()["error"] is None
+        h._stop_requested.set()  # the run winds down (learners stop); its actors stay until stop()
+        h._thread.join()
+        versions = None
+        while versions != (now := ray.get(h.store.summary.remote())["versions"]):  # the last rounds committed
+            versions = now
+            time.sleep(1.5)
+        bp, mesh = build.blueprint(cfg), inner.make_mesh()
+        step, batches = inner.make_eval_step(bp.model, mesh), build.eval_set(cfg, bp.corpus)
+        mine = inner.evaluate(step, inner.replicate(h.params(), mesh), batches, mesh)
+        assert h.evaluate() == pytest.approx(mine, rel=1e-6)  # the evaluator's loss is the model's
     finally:
         h.stop()
 

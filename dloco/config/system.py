@@ -158,11 +158,16 @@ class MetricsConfig:
     wandb: str = ""  # a W&B project to log to ("": off; pip install 'dloco[wandb]'; dloco.sinks)
     wandb_mode: str = "online"  # online (wandb login) | offline (files under RUN_DIR/wandb, `wandb sync` later)
     mlflow: str = ""  # an MLflow tracking URI, file:PATH or http(s)://HOST ("": off; pip install 'dloco[mlflow]')
+    eval_num_gpus: float = 0.0  # GPUs of an evaluator actor (0 and no eval_resources: evaluated in the driver)
+    eval_resources: Mapping[str, float] = field(default_factory=dict)  # an evaluator actor's resources, e.g. {TPU: 4}
 
     def __post_init__(self) -> None:
         _finite("metrics", self)
         _positive("metrics", self, "eval_every_s", "stall_threshold_s")
         _choice("metrics", self, "wandb_mode", ("online", "offline"))
+        _check(self.eval_num_gpus >= 0, "metrics.eval_num_gpus", self.eval_num_gpus, "must be >= 0")
+        for k, v in self.eval_resources.items():
+            _resource(f"metrics.eval_resources.{k}", v)
 
 
 @dataclass(frozen=True)
