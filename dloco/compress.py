@@ -174,34 +174,104 @@ def decode(p: Payload) -> np.ndarray:
     n_blocks = p.scales.shape[0]
     out = np.empty((n_blocks, p.block), np.float32)
     scales = p.scales.astype(np.float32)
-    per_byte = _PER_BYTE[p.dtype]
-    codes = p.data.reshape(n_blocks, p.block // per_byte)
+    codes = p.data.reshape(n_blocks, p.block // _PER_BYTE[p.dtype])
     rows = max(1, _CHUNK_VALUES // p.block)
-    if per_byte > 1:
-        half = np.empty((rows, p.block // per_byte), np.int8)
     for i in range(0, n_blocks, rows):
-        s = scales[i : i + rows, None]
-        o = out[i : i + rows]
-        c = codes[i : i + rows]
-        if p.dtype == "int8":
-            np.multiply(c, s, out=o)
-            continue
-        h = half[: c.shape[0]]
-        if p.dtype == "int2":  # q = two bits − 1; index 4j + k sits at bits 2k of byte j
-            for k in range(4):
-                np.right_shift(c, 2 * k, out=h, casting="unsafe")
-                np.bitwise_and(h, 0x03, out=h)
-                np.subtract(h, 1, out=h)
-                np.multiply(h, s, out=o[:, k::4])
-            continue
-        # q = nibble − 8; the low nibble holds the even index, the high nibble the odd one.
-        np.bitwise_and(c, 0x0F, out=h, casting="unsafe")
-        np.subtract(h, 8, out=h)
-        np.multiply(h, s, out=o[:, 0::2])
-        np.right_shift(c, 4, out=h, casting="unsafe")
-        np.subtract(h, 8, out=h)
-        np.multiply(h, s, out=o[:, 1::2])
+        _decode_rows(p.dtype, codes[i : i + rows], scales[i : i + rows, None], out[i : i + rows])
     return out.reshape(-1)[:n].reshape(p.shape)
+
+
+def _decode_rows(dtype: str, c: np.ndarray, s: np.ndarray, o: np.ndarray) -> None:
+    """Block rows of codes `c` times their float32 scales `s` (rows × 1) into `o` (rows × block)."""
+    if dtype == "int8":
+        np.multiply(c, s, out=o)
+        return
+    h = np.empty(c.shape, np.int8)
+    if dtype == "int2":  # q = two bits − 1; index 4j + k sits at bits 2k of byte j
+        for k in range(4):
+            np.right_shift(c, 2 * k, out=h, casting="unsafe")
+            np.bitwise_and(h, 0x03, out=h)
+            np.subtract(h, 1, out=h)
+            np.multiply(h, s, out=o[:, k::4])
+        return
+    # q = nibble − 8; the low nibble holds the even index, the high nibble the odd one.
+    np.bitwise_and(c, 0x0F, out=h, casting="unsafe")
+    np.subtract(h, 8, out=h)
+    np.multiply(h, s, out=o[:, 0::2])
+    np.right_shift(c, 4, out=h, casting="unsafe")
+    np.subtract(h, 8, out=h)
+    np.multiply(h, s, out=o[:, 1::2])
+
+
+def decode_range(p: Payload, lo: int, hi: int, out: np.ndarray, factor: float = 1.0) -> np.ndarray:
+    """``factor · decode(p).reshape(-1)[lo:hi]`` written into `out` (float32), without decoding the rest.
+
+    For the integer dtypes `lo` must be a multiple of ``p.block`` and `out` hold whole blocks
+    (``ceil((hi − lo) / block) · block`` values); the factor scales the block scales, so each code
+    is read and multiplied once. Returns the view of `out` that holds the ``hi − lo`` values.
+    """
+    f = np.float32(factor)
+    if p.dtype == "fp32":
+        return np.multiply(p.data.reshape(-1)[lo:hi], f, out=out[: hi - lo])
+    if p.dtype == "bf16":
+        o = out[: hi - lo]
+        np.copyto(o, p.data.reshape(-1)[lo:hi].view(ml_dtypes.bfloat16), casting="unsafe")
+        return np.multiply(o, f, out=o)
+    if lo % p.block:
+        raise ValueError(f"decode_range: lo={lo} is not a multiple of the block {p.block}")
+    assert p.scales is not None
+    b0, b1 = lo // p.block, -(-hi // p.block)
+    codes = p.data.reshape(-1, p.block // _PER_BYTE[p.dtype])[b0:b1]
+    scales = np.multiply(p.scales[b0:b1], f, dtype=np.float32)[:, None]
+    _decode_rows(p.dtype, codes, scales, out[: (b1 - b0) * p.block].reshape(b1 - b0, p.block))
+    return out[: hi - lo]
+
+
+def sq_norm(p: Payload) -> float:
+    """``‖decode(p)‖²`` (float64 accumulation) read from the codes, without decoding: for the integer
+    dtypes Σ_b s_b² Σ_i q_i² (a lookup table of Σ q² per byte). Non-finite when a scale or value is."""
+    flat = p.data.reshape(-1)
+    total = 0.0
+    if p.scales is None:
+        buf = np.empty(min(flat.size, _CHUNK_VALUES), np.float32)
+        for lo in range(0, flat.size, _CHUNK_VALUES):
+            x = decode_range(p, lo, min(lo + _CHUNK_VALUES, flat.size), buf)
+            total += float(np.dot(x.astype(np.float64), x.astype(np.float64)))
+        return total
+    lut, per_row = _SQ_LUT[p.dtype], p.block // _PER_BYTE[p.dtype]
+    codes = flat.reshape(-1, per_row)
+    s2 = np.square(p.scales.astype(np.float64))
+    rows = max(1, _CHUNK_VALUES // p.block)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for i in range(0, codes.shape[0], rows):
+            q2 = lut[codes[i : i + rows].view(np.uint8)].sum(axis=1, dtype=np.int64)
+            total += float(np.dot(q2.astype(np.float64), s2[i : i + rows]))
+    return total
+
+
+def validate(p: object) -> Payload:
+    """`p` if it is a well-formed `Payload` (checked again: unpickling skips ``__post_init__``)."""
+    if not isinstance(p, Payload):
+        raise ValueError(f"not a Payload: {type(p).__name__}")
+    if not isinstance(p.data, np.ndarray) or not (p.scales is None or isinstance(p.scales, np.ndarray)):
+        raise ValueError("Payload arrays must be numpy arrays")
+    if not isinstance(p.shape, tuple) or not all(isinstance(d, int) and d >= 0 for d in p.shape):
+        raise ValueError(f"Payload shape must be a tuple of sizes, got {p.shape!r}")
+    Payload.__post_init__(p)
+    return p
+
+
+def _sq_table(dtype: str) -> np.ndarray:
+    """Σ q² of the codes packed in each byte value 0..255 (int8: the byte as a signed code)."""
+    b = np.arange(256, dtype=np.int64)
+    if dtype == "int8":
+        return (b.astype(np.uint8).view(np.int8).astype(np.int64)) ** 2
+    if dtype == "int4":
+        return ((b & 0x0F) - 8) ** 2 + ((b >> 4) - 8) ** 2
+    return np.sum([(((b >> (2 * k)) & 0x03) - 1) ** 2 for k in range(4)], axis=0)
+
+
+_SQ_LUT = {d: _sq_table(d) for d in _LEVELS}
 
 
 def encode_with_feedback(

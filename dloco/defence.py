@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from dloco import compress, events, merge
+from dloco import compress, events
 from dloco.config import DP_ALGORITHMS, RunConfig
 from dloco.policy import ContributionMeta, Decision, NormTracker, check_values
 from dloco.policy.checks import INT_FIELDS, is_int
@@ -104,10 +104,11 @@ def check_commit(
 
 @dataclass
 class Screened:
-    """A closed round after `screen`: the accepted pushes (meta, decoded δ, per-tensor ‖δ‖) and the rest."""
+    """A closed round after `screen`: the accepted pushes (meta, δ as its checked payloads, per-tensor
+    ‖δ‖) and the rest. The payloads stay packed: `merge` decodes them chunk by chunk as it sums."""
 
     metas: list[ContributionMeta] = field(default_factory=list)
-    deltas: list[dict[str, np.ndarray]] = field(default_factory=list)
+    deltas: list[dict[str, compress.Payload]] = field(default_factory=list)
     norms: list[dict[str, float]] = field(default_factory=list)
     rejections: list[dict[str, Any]] = field(default_factory=list)
     nbytes_in: int = 0
@@ -126,7 +127,8 @@ def screen(
     """A closed round's pushes through the checks at close (ALGORITHM.md §5), in order.
 
     A payload of None was lost (`lost` names why); `check` re-checks the metadata (v_p may have
-    moved since the push); then decode (any failure: malformed), shapes, non-finite ‖δ‖², and
+    moved since the push); then the payloads' structure (any failure: malformed), shapes, ‖δ‖² read
+    from the codes (`compress.sq_norm`: non-finite if a scale or value is), and
     the per-step norm ‖δ‖ / c_steps against the outlier median or, without one, `bound`.
 
     The outlier check compares per-step norms ‖δ‖ / c_steps. A raw ‖δ‖ grows with the steps a
@@ -144,11 +146,12 @@ def screen(
             d = check(meta)
             if d.accept:
                 try:
-                    delta = {n: compress.decode(x) for n, x in payload.items()}
+                    delta = {n: compress.validate(x) for n, x in payload.items()}
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        tn = {n: math.sqrt(compress.sq_norm(x)) for n, x in delta.items()}
                 except Exception as e:  # noqa: BLE001 - any undecodable payload is rejected, never merged
-                    reason = f"malformed payload: {e}"
+                    reason, delta = f"malformed payload: {e}", None
             if delta is not None:
-                tn = merge.tensor_norms(delta)
                 d = check_values(
                     expected_shapes=expected,
                     shapes={n: x.shape for n, x in delta.items()},

@@ -11,15 +11,24 @@ learners' weighted mean norm, where a plain mean of M nearly orthogonal deltas s
 When the averaged direction vanishes (‖Σ w_m unit(δ_m)‖ / Σ w_m < `DIRECTION_EPS`) the tensor
 falls back to the weighted mean. Embedding tensors always use the weighted mean.
 
-The loops run over cache-sized chunks so that each input is read about twice (norm, then the
-weighted sum) and no full-size temporary is allocated.
+The loops run over cache-sized chunks and no full-size temporary is allocated. A contribution may
+be a `compress.Payload` as it arrived (int4, int8, …): its norm is read from the codes
+(`compress.sq_norm`) and each chunk is decoded, scaled by its coefficient and added in cache
+(`compress.decode_range`), so every packed input is read once per weighted sum and never expanded
+to a float32 copy of the fragment.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Union
 
 import numpy as np
+
+from dloco import compress
+
+Delta = Union[np.ndarray, compress.Payload]  # noqa: UP007  (a runtime alias)
 
 DIRECTION_EPS = 1e-6
 _CHUNK = 1 << 16  # elements per chunk: 256 KiB of float32 per operand stays in cache
@@ -48,43 +57,55 @@ def _normalized(weights: Sequence[float] | np.ndarray, m: int) -> np.ndarray:
     return w / w.sum()
 
 
-def _flat(deltas: Sequence[np.ndarray]) -> tuple[list[np.ndarray], tuple[int, ...]]:
-    shape = np.shape(deltas[0])
-    flats = []
+def _flat(deltas: Sequence[Delta]) -> tuple[list[Delta], tuple[int, ...]]:
+    """The deltas as flat float32 arrays (payloads as they are), and their common shape."""
+    shape = tuple(deltas[0].shape) if isinstance(deltas[0], compress.Payload) else np.shape(deltas[0])
+    flats: list[Delta] = []
     for d in deltas:
-        if np.shape(d) != shape:
-            raise ValueError(f"delta shapes differ: {np.shape(d)} vs {shape}")
-        flats.append(np.ascontiguousarray(d, dtype=np.float32).reshape(-1))
+        if (tuple(d.shape) if isinstance(d, compress.Payload) else np.shape(d)) != shape:
+            raise ValueError(f"delta shapes differ: {d.shape} vs {shape}")
+        flats.append(d if isinstance(d, compress.Payload) else np.ascontiguousarray(d, np.float32).reshape(-1))
     return flats, shape
 
 
-def _combine(flats: list[np.ndarray], coefs: Sequence[float] | np.ndarray) -> np.ndarray:
-    """Σ_m coefs[m] · flats[m], float32, chunked."""
-    n = flats[0].size
-    out = np.empty(n, dtype=np.float32)
-    tmp = np.empty(min(n, _CHUNK), dtype=np.float32)
-    for lo in range(0, n, _CHUNK):
-        hi = min(lo + _CHUNK, n)
-        acc, t = out[lo:hi], tmp[: hi - lo]
-        np.multiply(flats[0][lo:hi], np.float32(coefs[0]), out=acc)
-        for f, c in zip(flats[1:], coefs[1:], strict=True):
-            np.multiply(f[lo:hi], np.float32(c), out=t)
-            acc += t
-    return out
+def _reader(x: Delta) -> Callable[[int, int, np.ndarray, float], np.ndarray]:
+    """(lo, hi, buf, c) → c · x[lo:hi] as float32, in `buf` (a view of it) or a fresh temporary."""
+    if isinstance(x, compress.Payload):
+        return lambda lo, hi, buf, c: compress.decode_range(x, lo, hi, buf, c)
+    return lambda lo, hi, buf, c: np.multiply(x[lo:hi], np.float32(c), out=buf[: hi - lo])
 
 
-def _norm(x: np.ndarray) -> float:
+def _combine(flats: list[Delta], coefs: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Σ_m coefs[m] · flats[m], float32, chunked (a payload's chunk decoded straight into the sum)."""
+    blocks = [f.block for f in flats if isinstance(f, compress.Payload) and f.scales is not None]
+    step = math.lcm(*blocks) if blocks else 1
+    chunk = max(step, _CHUNK - _CHUNK % step)
+    n = int(np.prod(flats[0].shape)) if isinstance(flats[0], compress.Payload) else flats[0].size
+    out = np.empty(n + step, dtype=np.float32)  # + step: a payload's last chunk is decoded in whole blocks
+    tmp = np.empty(min(n, chunk) + step, dtype=np.float32)
+    readers = [_reader(f) for f in flats]
+    for lo in range(0, n, chunk):
+        hi = min(lo + chunk, n)
+        acc = readers[0](lo, hi, out[lo:], float(coefs[0]))
+        for r, c in zip(readers[1:], coefs[1:], strict=True):
+            acc += r(lo, hi, tmp, float(c))
+    return out[:n]
+
+
+def _norm(x: Delta) -> float:
+    if isinstance(x, compress.Payload):
+        return math.sqrt(compress.sq_norm(x))
     return float(np.sqrt(float(np.dot(x, x))))
 
 
-def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float] | np.ndarray) -> np.ndarray:
+def weighted_mean(deltas: Sequence[Delta], weights: Sequence[float] | np.ndarray) -> np.ndarray:
     """Δ = Σ w_m δ_m / Σ w_m, float32, shaped like the deltas."""
     flats, shape = _flat(deltas)
     return _combine(flats, _normalized(weights, len(flats))).reshape(shape)
 
 
 def rda(
-    deltas: Sequence[np.ndarray], weights: Sequence[float] | np.ndarray, norms: Sequence[float] | None = None
+    deltas: Sequence[Delta], weights: Sequence[float] | np.ndarray, norms: Sequence[float] | None = None
 ) -> np.ndarray:
     """Radial-directional average of one tensor's deltas (see module docstring), float32.
 
@@ -110,7 +131,7 @@ def tensor_norms(delta: Mapping[str, np.ndarray]) -> dict[str, float]:
 
 
 def merge_fragment(
-    deltas: Sequence[Mapping[str, np.ndarray]],
+    deltas: Sequence[Mapping[str, Delta]],
     weights: Sequence[float] | np.ndarray,
     rule: str = "rda",
     embedding: frozenset[str] | set[str] = frozenset(),
@@ -119,7 +140,8 @@ def merge_fragment(
     """Merges one fragment's contributions tensor by tensor.
 
     Args:
-      deltas: one flat dict ``{tensor name: δ_m}`` per contribution, all with the same names.
+      deltas: one flat dict ``{tensor name: δ_m}`` per contribution, all with the same names (arrays,
+        or `compress.Payload`s as they arrived).
       weights: w_m per contribution (e.g. `token_weights`, or ones for uniform weighting).
       rule: ``"rda"`` or ``"mean"`` for non-embedding tensors.
       embedding: tensor names that always use the weighted mean.

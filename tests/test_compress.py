@@ -1,5 +1,7 @@
 """Tests for dloco.compress: hand-computed values, exact byte counts, error bounds, error feedback."""
 
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -11,9 +13,12 @@ from dloco.compress import (
     DTYPES,
     Payload,
     decode,
+    decode_range,
     encode,
     encode_with_feedback,
     max_abs_error,
+    sq_norm,
+    validate,
 )
 
 # Float32 rounding of x / s can push the round-trip error past s / 2 by a relative 255 · 2⁻²⁴.
@@ -299,3 +304,47 @@ def test_property_float_round_trip(x, dtype):
     assert y.shape == x.shape and y.dtype == np.float32 and np.isfinite(y).all()
     expected = x if dtype == "fp32" else x.astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(y, expected)
+
+
+def test_sq_norm_is_read_from_the_codes_by_hand():
+    # int4, block 4: scale 0.5, codes [1, −2, 0, 7]; scale 2, codes [−7, 7, 0, 0]
+    # ‖x̂‖² = 0.25 · (1 + 4 + 0 + 49) + 4 · (49 + 49) = 13.5 + 392 = 405.5
+    p = encode(np.array([0.5, -1.0, 0.0, 3.5, -14.0, 14.0, 0.0, 0.0], np.float32), "int4", block=4)
+    np.testing.assert_array_equal(p.scales, np.array([0.5, 2.0], np.float16))
+    assert sq_norm(p) == 405.5
+    assert sq_norm(encode(np.array([0.5, -1.0, 0.0, 3.5], np.float32), "int2", block=4)) == 3.5**2  # codes [0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 127, 128, 300_001])
+def test_sq_norm_and_decode_range_match_decode(dtype, n):
+    rng = np.random.default_rng(n)
+    p = encode(rng.standard_normal(n).astype(np.float32) * 3, dtype, block=128)
+    full = decode(p).reshape(-1).astype(np.float64)
+    assert sq_norm(p) == pytest.approx(float(full @ full), rel=1e-6)
+    out = np.empty(2048 + 128, np.float32)
+    for lo in range(0, n, 2048):  # chunk by chunk, as `merge` reads it, scaled on the way
+        hi = min(lo + 2048, n)
+        np.testing.assert_allclose(decode_range(p, lo, hi, out, -0.5), -0.5 * full[lo:hi], rtol=1e-6, atol=0)
+
+
+def test_sq_norm_of_a_non_finite_scale_is_non_finite_and_decode_range_needs_block_starts():
+    p = encode(np.ones(256, np.float32), "int4", block=128)
+    bad = Payload("int4", p.shape, p.data, np.array([np.nan, 1], np.float16), 128)
+    assert math.isnan(sq_norm(bad))
+    assert math.isinf(sq_norm(Payload("int4", p.shape, p.data, np.array([np.inf, 1], np.float16), 128)))
+    with pytest.raises(ValueError, match="lo=3 is not a multiple of the block 128"):
+        decode_range(p, 3, 10, np.empty(256, np.float32))
+
+
+def test_validate_checks_again_what_unpickling_skipped():
+    import pickle
+
+    p = encode(np.ones(256, np.float32), "int4", block=128)
+    assert validate(pickle.loads(pickle.dumps(p))) is not None
+    cut = pickle.loads(pickle.dumps(p))
+    object.__setattr__(cut, "data", cut.data[:10])  # what a forged pickle can carry: __post_init__ never ran
+    with pytest.raises(ValueError, match="data must be uint8 with 128 values, got uint8 with 10"):
+        validate(cut)
+    with pytest.raises(ValueError, match="not a Payload: ndarray"):
+        validate(np.ones(3))

@@ -151,3 +151,23 @@ def test_rda_reuses_validation_norms():
     b = merge.merge_fragment(deltas, [1, 2, 3], norms=norms)["w"]
     np.testing.assert_array_equal(a, b)
     assert not np.isfinite(merge.tensor_norms({"x": np.array([np.inf], np.float32)})["x"])
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8", "int2", "bf16", "fp32"])
+@pytest.mark.parametrize("rule", ["rda", "mean"])
+def test_payloads_merge_as_their_decoded_arrays_do(dtype, rule):
+    """The syncer merges the packed payloads (decoded chunk by chunk into the sum); the result is
+    the merge of the decoded arrays, over tensors that span several chunks and end in a partial block."""
+    from dloco import compress
+
+    rng = np.random.default_rng(7)
+    shapes = {"w": (300, 701), "b": (13,), "e": (5, 64)}  # 210 300 values: four chunks of 65 536
+    deltas = [{n: rng.standard_normal(s).astype(np.float32) * (1 + m) for n, s in shapes.items()} for m in range(3)]
+    packed = [{n: compress.encode(x, dtype, block=64) for n, x in d.items()} for d in deltas]
+    decoded = [{n: compress.decode(p) for n, p in d.items()} for d in packed]
+    weights = [3.0, 1.0, 2.0]
+    got = merge.merge_fragment(packed, weights, rule, embedding={"e"})
+    want = merge.merge_fragment(decoded, weights, rule, embedding={"e"}, norms=[merge.tensor_norms(d) for d in decoded])
+    for n in shapes:
+        assert got[n].shape == shapes[n] and got[n].dtype == np.float32
+        np.testing.assert_allclose(got[n], want[n], rtol=2e-5, atol=1e-6 * float(np.abs(want[n]).max()))
