@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -147,11 +148,37 @@ def read_json(path: str | os.PathLike) -> dict:
 
 
 def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict) -> None:
-    """`write` of an ``.npz`` holding `arrays` and `meta` (as JSON, in the array ``meta``)."""
-    buf = io.BytesIO()
+    """`write` of an ``.npz`` holding `arrays` and `meta` (as JSON, in the array ``meta``), streamed
+    into the file: no in-memory copy of the payload (the store's log files are fragment-sized)."""
     arrays = {**arrays, "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
-    np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy's stub matches **kwargs against allow_pickle: bool
-    write(path, buf.getvalue())
+    write_stream(path, lambda fh: np.savez(fh, **arrays))  # type: ignore[arg-type]  # numpy's stub: allow_pickle
+
+
+def write_stream(path: str | os.PathLike, fill: Callable[[BinaryIO], None]) -> None:
+    """`write` of the payload that `fill` writes into an open file (it may seek within what it
+    wrote): the header's place is reserved, the payload hashed by reading it back, the header
+    written last, then fsync and rename as `write` does."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w+b") as fh:
+            fh.write(bytes(_HEADER.size))
+            fill(fh)
+            length = fh.seek(0, os.SEEK_END) - _HEADER.size
+            fh.seek(_HEADER.size)
+            h = hashlib.blake2b(digest_size=16)
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+            fh.seek(0)
+            fh.write(_HEADER.pack(MAGIC, length, h.digest()))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
 
 
 def read_npz(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
