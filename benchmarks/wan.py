@@ -86,7 +86,7 @@ SKIP = 77
 MODELS = {"full": ("preset=mini",), "tiny": ("preset=micro",)}
 DEFAULTS = {  # per mode: cap, target, budgets (s), evaluation cadence (s) per algorithm
     "full": {"mbit": 8.0, "target": 2.6, "dp_seconds": 420.0, "decoupled_seconds": 120.0, "eval": (5.0, 1.0)},
-    "tiny": {"mbit": 2.0, "target": 4.0, "dp_seconds": 20.0, "decoupled_seconds": 15.0, "eval": (1.0, 1.0)},
+    "tiny": {"mbit": 2.0, "target": 4.0, "dp_seconds": 14.0, "decoupled_seconds": 11.0, "eval": (1.0, 1.0)},
 }
 
 

@@ -25,7 +25,7 @@ TIMEOUT_S = 240  # per notebook (and per cell)
 # Text that each notebook's outputs must contain: its final tables.
 EXPECTED_TEXT = {
     "01_quickstart": ["algorithm=decoupled", "goodput / uptime", "eval loss", "run dir"],
-    "02_chaos": ["goodput / uptime", "provisioned s", "kill learner-", "tokens_trained", "dp:", "decoupled:"],
+    "02_chaos": ["goodput / uptime", "provisioned s", "kill learner-", "tokens_trained", "decoupled:"],
     "03_scale": ["ours (paper)", "M=16", "largest gap"],
 }
 
@@ -64,8 +64,10 @@ def kernel_manager(tmp_path: Path):
 
 
 # Shorter than the notebooks' own settings, for the suite's time: 02_chaos's seeded schedule
-# (mtbf 12 s, warm-up 10 s, 3 learners) kills at 18.2 s and 19.7 s, inside 22 s.
-SUITE_PARAMETERS = {"02_chaos": "CHAOS_SECONDS = 22"}
+# (mtbf 12 s, warm-up 10 s, 3 learners) kills at 18.2 s and 19.7 s, inside 20 s; its part 2 runs
+# decoupled only (the same schedule replayed against dp and decoupled is
+# test_benchmarks_run.py's goodput test).
+SUITE_PARAMETERS = {"02_chaos": "CHAOS_SECONDS = 20\nOBSERVE_S = 4.0\nALGORITHMS = ('decoupled',)"}
 
 
 def with_run_root(nb, run_root: Path, extra: str = ""):
