@@ -1,7 +1,8 @@
-"""docs/RESULTS.md from the benchmarks' JSON: quality, wire accounting, the emulated WAN and the soak.
+"""docs/RESULTS.md from the benchmarks' JSON: quality, wire accounting, the emulated WAN, throughput,
+the commit path at scale and the soak.
 
-Reads benchmarks/results/{quality,bandwidth,wan,soak}.json (written by quality.py, bandwidth.py,
-wan.py and soak.py; a missing file leaves its section saying which command produces it) and writes one
+Reads benchmarks/results/{quality,bandwidth,wan,throughput,syncer_scale,soak}.json (written by the
+script of the same name; a missing file leaves its section saying which command produces it) and writes one
 Markdown file: the summary of what the numbers say (each "matches the paper" line is computed from
 the rows, not written by hand), every table with its config hashes, the exact commands, and the
 quality figure (copied next to the Markdown).
@@ -583,6 +584,13 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "",
         ]
+    scale = load(res / "syncer_scale.json")
+    if scale:
+        import syncer_scale
+
+        lines += [syncer_scale.report(scale), ""]
+    else:
+        lines += ["## The commit path at scale", "", "Not run: `python benchmarks/syncer_scale.py`.", ""]
     if soak:
         import soak as soak_mod
 

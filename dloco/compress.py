@@ -244,7 +244,7 @@ def sq_norm(p: Payload) -> float:
     rows = max(1, _CHUNK_VALUES // p.block)
     with np.errstate(over="ignore", invalid="ignore"):
         for i in range(0, codes.shape[0], rows):
-            q2 = lut[codes[i : i + rows].view(np.uint8)].sum(axis=1, dtype=np.int64)
+            q2 = np.take(lut, codes[i : i + rows].view(np.uint8)).sum(axis=1, dtype=np.uint64)
             total += float(np.dot(q2.astype(np.float64), s2[i : i + rows]))
     return total
 
@@ -262,13 +262,14 @@ def validate(p: object) -> Payload:
 
 
 def _sq_table(dtype: str) -> np.ndarray:
-    """Σ q² of the codes packed in each byte value 0..255 (int8: the byte as a signed code)."""
+    """Σ q² of the codes packed in each byte value 0..255 (int8: the byte as a signed code), in
+    the narrowest type that holds it (gathering bytes is what makes `sq_norm` fast)."""
     b = np.arange(256, dtype=np.int64)
     if dtype == "int8":
-        return (b.astype(np.uint8).view(np.int8).astype(np.int64)) ** 2
+        return ((b.astype(np.uint8).view(np.int8).astype(np.int64)) ** 2).astype(np.uint16)  # ≤ 128²
     if dtype == "int4":
-        return ((b & 0x0F) - 8) ** 2 + ((b >> 4) - 8) ** 2
-    return np.sum([(((b >> (2 * k)) & 0x03) - 1) ** 2 for k in range(4)], axis=0)
+        return (((b & 0x0F) - 8) ** 2 + ((b >> 4) - 8) ** 2).astype(np.uint8)  # ≤ 2 · 8²
+    return np.sum([(((b >> (2 * k)) & 0x03) - 1) ** 2 for k in range(4)], axis=0).astype(np.uint8)  # ≤ 4
 
 
 _SQ_LUT = {d: _sq_table(d) for d in _LEVELS}

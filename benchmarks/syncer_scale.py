@@ -1,0 +1,253 @@
+"""The commit path at scale: what one syncer/store shard pair spends per commit, against memcpy.
+
+One commit here merges N parameters (a fragment set of N fp32 parameters in 4 M-parameter tensors:
+a model of N parameters with ``fragments.count: 1``, or of N·P with P fragments) from M synthetic
+int4 contributions (block 128), as the syncer and the store do it:
+
+  memcpy    np.copyto of the N parameters, warm (best of --repeat): the machine's yardstick
+  screen    each payload checked and its ‖δ‖ per tensor read from the int4 codes (no decode)
+  merge     RDA over the M packed payloads, each decoded chunk by chunk into the weighted sum
+  outer     the outer Nesterov step (jitted optax, ``outer.make_outer_step``; lr 0.7, momentum 0.9,
+            delayed over M: its state is the momentum and the delay buffer)
+  publish   int4 encode of Θ_p − Θ̂_p (``compression.publish: delta``)
+  wal       the store's commit-log file (Θ_p, s_p, Θ̂_p: 4 × N × 4 bytes): written, checksummed, fsynced
+  decoded   for comparison, the path before: every payload decoded to float32, its norms
+            computed, then the merge (+ the same outer step)
+
+Each cell runs in its own process per role (glibc's mmap threshold fixed at 1 MiB, so freed arrays
+leave RSS), so each peak RSS is that role's: VmHWM, reset once the synthetic inputs are built, less
+the process's RSS with numpy and JAX loaded, in multiples of the N·4 bytes of the fp32 model (what
+the role holds plus what one commit adds). Roles: the syncer (packed path), the syncer on the
+decoded path, the store (its fragments, outer state and shadow, and the log write). The
+arithmetic ratio is parameters merged per second by screen + merge + outer against parameters
+copied per second by a warm memcpy (goal ≥ 0.3). Commits/s sustained by one shard pair is
+1 / (screen + merge + outer + publish + wal): M × that many contributions/s.
+Sharding (S > 1) is not built: every row is S = 1.
+
+Usage:  python benchmarks/syncer_scale.py [--params 1e8 3e8] [--learners 4 8] [--repeat 2] [--quick]
+Writes  benchmarks/results/syncer_scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+TENSOR = 4_000_000
+BLOCK = 128
+
+
+def fragment_set(n: int, rng: np.random.Generator, scale: float = 1.0) -> dict[str, np.ndarray]:
+    out, left, i = {}, n, 0
+    while left > 0:
+        k = min(TENSOR, left)
+        out[f"t{i:04d}"] = rng.standard_normal(k, dtype=np.float32) * np.float32(scale)
+        left, i = left - k, i + 1
+    return out
+
+
+def best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def current_rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    """The peak RSS since the last `reset_peak` (VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def reset_peak() -> None:
+    """Resets VmHWM to the current RSS (Linux ≥ 4.0): what the benchmark's set-up allocated (the
+    synthetic float32 contributions before encoding, the memcpy's copy) is not the syncer's."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def cell(role: str, n: int, m: int, repeat: int) -> dict:
+    """One role's measurements for N = n parameters and M = m contributions (run in a child process)."""
+    import jax.numpy as jnp
+
+    from dloco import compress, config, durable, merge, outer
+
+    jnp.zeros(1).block_until_ready()  # the runtime up before the baseline
+    out: dict = {"role": role, "params": n, "learners": m, "base_rss": current_rss()}
+    rng = np.random.default_rng(0)
+    theta = fragment_set(n, rng)
+    ocfg = dataclasses.replace(config.OuterConfig(), lr=0.7, momentum=0.9, delay=m)  # state: momentum and buffer
+    step, state = outer.make_outer_step(ocfg), outer.init(ocfg, theta)
+    if role == "store":
+        leaves = outer.state_to_numpy(state)
+        arrays = {**{f"v/{k}": v for k, v in theta.items()}, **{f"s/{i}": s for i, s in enumerate(leaves)}}
+        arrays.update({f"h/{k}": v for k, v in theta.items()})
+        reset_peak()
+        with tempfile.TemporaryDirectory(dir=os.environ.get("DLOCO_BENCH_DIR")) as d:
+            path = Path(d) / "p000-v00000001.npz"
+            out["wal_s"] = best(lambda: durable.write_npz(path, arrays, {"version": 1}), repeat)
+            out["wal_bytes"] = path.stat().st_size
+        out["peak_rss"] = peak_rss()
+        return out
+    payloads = []
+    for _ in range(m):  # one float32 contribution at a time: the syncer only ever holds the packed ones
+        d = fragment_set(n, rng, 1e-3)
+        payloads.append({k: compress.encode(v, "int4", BLOCK) for k, v in d.items()})
+        del d
+    weights = merge.token_weights([1000 * (i + 1) for i in range(m)], [10] * m)
+    copies = {k: np.empty_like(v) for k, v in theta.items()}
+    out["memcpy_s"] = best(lambda: [np.copyto(copies[k], v) for k, v in theta.items()], repeat)
+    copies.clear()
+    holder: dict = {}
+
+    def screen():
+        holder["norms"] = [
+            {k: math.sqrt(compress.sq_norm(compress.validate(p))) for k, p in d.items()} for d in payloads
+        ]
+
+    def decoded():
+        arrays = [{k: compress.decode(p) for k, p in d.items()} for d in payloads]
+        norms = [merge.tensor_norms(a) for a in arrays]
+        holder["grad"] = merge.merge_fragment(arrays, weights, "rda", norms=norms)
+
+    reset_peak()  # from here on: what the role holds (Θ, outer state, the payloads) and what a commit adds
+    if role == "decoded":
+        out["decoded_s"] = best(decoded, repeat)
+    else:
+        out["screen_s"] = best(screen, repeat)
+        out["merge_s"] = best(
+            lambda: holder.update(grad=merge.merge_fragment(payloads, weights, "rda", norms=holder["norms"])), repeat
+        )
+    step(theta, state, holder["grad"], m)  # compiled once, outside the timing
+    out["outer_s"] = best(lambda: holder.update(new=step(theta, state, holder["grad"], m)[0]), repeat)
+    if role == "syncer":
+        new = holder["new"]
+        out["publish_s"] = best(lambda: [compress.encode(new[k] - theta[k], "int4", BLOCK) for k in theta], repeat)
+    out["peak_rss"] = peak_rss()
+    return out
+
+
+def report(doc: dict) -> str:
+    """The section of docs/RESULTS.md (`benchmarks/report.py`)."""
+    lines = [
+        "## The commit path at scale (`benchmarks/syncer_scale.py`)",
+        "",
+        f"`python benchmarks/syncer_scale.py --repeat {doc['repeat']}` on {doc['cpus']} CPU cores: one commit "
+        f"merges N fp32 parameters from M int4 contributions (block {doc['block']}); best of {doc['repeat']}, "
+        "seconds. *x memcpy*: parameters merged per second by screen + merge + outer against parameters "
+        "copied per second by a warm memcpy. *decoded*: merge + outer on the path before (each payload "
+        "decoded to float32 first). RSS: each role's peak in its own process, less its RSS with numpy and "
+        "JAX loaded, in multiples of the fp32 model (N × 4 bytes). One shard pair (S = 1): sharding is not built.",
+        "",
+        "| N | M | memcpy | screen | merge | outer | publish | wal | commit | x memcpy | decoded | "
+        "commits/s | contributions/s | RSS syncer | RSS decoded | RSS store |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['params'] / 1e6:.0f} M | {r['learners']} | {r['memcpy_s']:.3f} | {r['screen_s']:.3f} | "
+            f"{r['merge_s']:.3f} | {r['outer_s']:.3f} | {r['publish_s']:.3f} | {r['wal_s']:.3f} | "
+            f"{r['commit_s']:.3f} | {r['arith_ratio_to_memcpy']:.3f} | {r['decoded_merge_outer_s']:.3f} | "
+            f"{r['commits_per_s']:.3f} | {r['contributions_per_s']:.2f} | {r['rss_syncer_x_model']:.2f}× | "
+            f"{r['rss_decoded_x_model']:.2f}× | {r['rss_store_x_model']:.2f}× |"
+        )
+    return "\n".join(lines)
+
+
+def run_cell(role: str, n: int, m: int, repeat: int) -> dict:
+    # glibc's malloc keeps freed 16 MB tensors in its heap once its dynamic mmap threshold has grown
+    # past them, so RSS would count the set-up's garbage: a fixed threshold returns them at free
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--cell", role, str(n), str(m), "--repeat", str(repeat)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"cell {role} {n} {m} failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, nargs="+", default=[1e8, 3e8])
+    ap.add_argument("--learners", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="2 M parameters, M = 2 and 4 (a check that it runs)")
+    ap.add_argument("--out", default="benchmarks/results/syncer_scale.json")
+    ap.add_argument("--cell", nargs=3, metavar=("ROLE", "N", "M"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.cell:
+        role, n, m = args.cell
+        print(json.dumps(cell(role, int(float(n)), int(m), args.repeat)))
+        return
+    params, learners = ([2e6], [2, 4]) if args.quick else (args.params, args.learners)
+    rows = []
+    head = (
+        f"{'params':>7s} {'M':>2s} {'memcpy':>7s} {'screen':>7s} {'merge':>7s} {'outer':>7s} {'publish':>7s} "
+        f"{'wal':>7s} {'commit':>7s} {'x memcpy':>8s} {'decoded':>8s} {'commits/s':>9s} {'contrib/s':>9s} "
+        f"{'RSS syncer':>10s} {'decoded':>8s} {'store':>6s}"
+    )
+    print(head)
+    for n in (int(p) for p in params):
+        store = run_cell("store", n, 1, args.repeat)
+        for m in learners:
+            s, dec = run_cell("syncer", n, m, args.repeat), run_cell("decoded", n, m, args.repeat)
+            model = 4 * n
+            arith = s["screen_s"] + s["merge_s"] + s["outer_s"]
+            commit = arith + s["publish_s"] + store["wal_s"]
+            row = {
+                **{k: s[k] for k in ("params", "learners", "memcpy_s", "screen_s", "merge_s", "outer_s", "publish_s")},
+                "wal_s": store["wal_s"],
+                "commit_s": commit,
+                "arith_ratio_to_memcpy": s["memcpy_s"] / arith,
+                "decoded_merge_outer_s": dec["decoded_s"] + dec["outer_s"],
+                "commits_per_s": 1 / commit,
+                "contributions_per_s": m / commit,
+                "rss_syncer_x_model": (s["peak_rss"] - s["base_rss"]) / model,
+                "rss_decoded_x_model": (dec["peak_rss"] - dec["base_rss"]) / model,
+                "rss_store_x_model": (store["peak_rss"] - store["base_rss"]) / model,
+                "shards": 1,
+            }
+            rows.append(row)
+            print(
+                f"{n / 1e6:6.0f}M {m:2d} {s['memcpy_s']:7.3f} {s['screen_s']:7.3f} {s['merge_s']:7.3f} "
+                f"{s['outer_s']:7.3f} {s['publish_s']:7.3f} {store['wal_s']:7.3f} {commit:7.3f} "
+                f"{row['arith_ratio_to_memcpy']:8.3f} {row['decoded_merge_outer_s']:8.3f} "
+                f"{row['commits_per_s']:9.3f} {row['contributions_per_s']:9.2f} {row['rss_syncer_x_model']:9.2f}x "
+                f"{row['rss_decoded_x_model']:7.2f}x {row['rss_store_x_model']:5.2f}x",
+                flush=True,
+            )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "repeat": args.repeat}
+    out.write_text(json.dumps({**meta, "block": BLOCK, "tensor": TENSOR, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    print(report(json.loads(out.read_text())))
+
+
+if __name__ == "__main__":
+    main()
