@@ -27,9 +27,8 @@ from typing import Any, cast
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors import evaluator, health, isolation
+from actors import evaluator, health, isolation, spares
 from actors.faults import FaultInjector
-from actors.learner import Learner
 from actors.observe import Observer
 from actors.store import FragmentStore
 from actors.syncer import Syncer
@@ -105,6 +104,7 @@ class RunHandle:
         self._record(events.Eval(time=time.time(), loss=self.eval_loss_start, tokens=0).to_dict())
         for m in range(cfg.learners.count):
             self._spawn(m)
+        self.spares = spares.SparePool(cfg, self.namespace, self.corpus, self._record) if cfg.learners.spares else None
         n, stragglers = len(self.faults.schedule), sorted(chaos.stragglers(cfg.chaos, cfg.learners.count))
         self._record(events.Chaos(time=time.time(), seed=cfg.chaos.seed, faults=n, stragglers=stragglers).to_dict())
         self._thread = threading.Thread(target=self._supervise, name="dloco-supervisor", daemon=True)
@@ -116,25 +116,7 @@ class RunHandle:
 
     # ---- learners ----------------------------------------------------------------------------
     def _spawn(self, m: int) -> None:
-        groups = self.cfg.learners.expand()
-        g = groups[min(m, len(groups) - 1)]
-        accelerator = g.num_gpus > 0 or "TPU" in g.resources
-        actor: Any = (
-            ray.remote(Learner)
-            .options(
-                name=f"learner-{m}",
-                namespace=self.namespace,
-                max_restarts=-1,
-                max_task_retries=-1,
-                max_concurrency=4,
-                num_cpus=g.num_cpus,
-                num_gpus=g.num_gpus,
-                resources=dict(g.resources) or None,
-                # a GPU or TPU learner lets JAX find its accelerator; others stay on the CPU
-                runtime_env={"env_vars": worker_env(self.cfg, accelerator, shared_gpu=0 < g.num_gpus < 1)},
-            )
-            .remote(self.cfg_dict, m, "store", "syncer", self.namespace, self.corpus)
-        )
+        actor = spares.learner_actor(self.cfg, f"learner-{m}", m, self.namespace, self.corpus)
         self.learners[m] = actor
         self.runs[m] = actor.run.remote(self.cfg.budget.steps or None)
 
@@ -270,6 +252,10 @@ class RunHandle:
         """Learners whose `run` failed for good; every learner gone; commits failing for too long."""
         for m, err in health.failed_runs(self.runs):
             del self.runs[m]
+            if self.spares is not None and m in self.tally.learner_time(0.0) and not self._stop_requested.is_set():
+                self.learners[m] = self.spares.take_over(m)  # it ran, and its process died: a spare takes over
+                self.runs[m] = self.learners[m].run.remote(self.cfg.budget.steps or None)
+                continue
             self._failed(f"learner-{m}", err)
         self.fatal = self.fatal or health.fatal(self.tally, self.cfg, time.time(), learners_left=bool(self.runs))
 
@@ -381,7 +367,13 @@ class RunHandle:
         """Ends the run now: final evaluation, summary.json, actors removed, local Ray stopped."""
         self._stop_requested.set()
         self._thread.join()
-        for a in [*self.learners.values(), self.evaluator, self.syncer, self.store]:
+        for a in [
+            *self.learners.values(),
+            *(self.spares.actors() if self.spares else ()),
+            self.evaluator,
+            self.syncer,
+            self.store,
+        ]:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a, no_restart=True)
         if self.cfg.learners.cpu_limit > 0:

@@ -17,7 +17,8 @@ and what the simulator `dloco.goodput.simulate_run` predicts for the same schedu
 run's measured median restart + rejoin time (kill → first merge of the new incarnation).
 
 Usage:  python benchmarks/goodput.py [--quick] [--learners 6] [--seconds 240] [--mtbf 25]
-                                     [--algorithms dp,elastic_dp,diloco,streaming,decoupled] [--out PATH]
+                                     [--algorithms dp,elastic_dp,diloco,streaming,decoupled,decoupled+spares]
+                                     [--out PATH]
 Writes  benchmarks/results/goodput.json and goodput.png (or --out and its .png)
 """
 
@@ -87,6 +88,7 @@ def row(r: dict) -> dict:
         "longest_stall_s": s["longest_commit_gaps_s"][0] if s["longest_commit_gaps_s"] else None,
         "merges": s["merges"],
         "rejected": s["rejected"],
+        "spare_s": s.get("spare_s", 0.0),
     }
 
 
@@ -135,7 +137,7 @@ def main() -> None:
     ap.add_argument("--mtbf", type=float, default=20.0, help="per-learner mean time between kills (s)")
     ap.add_argument("--warmup", type=float, default=15.0, help="no fault before this time (first compile)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--algorithms", default="dp,elastic_dp,decoupled")
+    ap.add_argument("--algorithms", default="dp,elastic_dp,decoupled,decoupled+spares")
     ap.add_argument("--no-reference", action="store_true", help="skip the failure-free decoupled run")
     ap.add_argument(
         "--cpu-limit",
@@ -171,6 +173,9 @@ def main() -> None:
         "diloco": ["algorithm=diloco"],
         "streaming": ["algorithm=streaming"],
         "decoupled": ["algorithm=decoupled", *DECOUPLED],
+        # two warm spare processes take over killed learners (`actors.spares`); their idle time is
+        # provisioned learner time in the goodput (an idle spare is a host paid for)
+        "decoupled+spares": ["algorithm=decoupled", *DECOUPLED, "learners.spares=2"],
     }
     algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     cfg_chaos = config.load(overrides=chaos_set).chaos

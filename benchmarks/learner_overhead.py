@@ -34,6 +34,8 @@ Measured in one run, on one local Ray cluster started by the script (this machin
    it). Repeated `--rejoins` times. The launcher points JAX's persistent compilation cache at
    ``~/.cache/dloco/jax`` (`worker_env`); the report says how many entries it held before the
    run and how many each rejoin added (0: the restarted learner compiled from the cache).
+   Then the same kills with `learners.spares=1`: each waits for the spare to be warm, and the
+   spare takes learner 1's identity instead of a new process (`actors.spares`).
 
 Prints a table (operation, value, unit) and writes every raw number, the configs, the CPU count
 and the jax/ray versions as JSON.
@@ -343,6 +345,8 @@ def wait_for(pred, timeout: float, what: str, every: float = 0.1):
 
 
 def rejoins(cfg, n: int, timeout: float = 300.0) -> dict:
+    import ray
+
     from actors.launch import start
     from actors.workers import worker_env
 
@@ -369,6 +373,10 @@ def rejoins(cfg, n: int, timeout: float = 300.0) -> dict:
                 timeout,
                 f"merges of every fragment including learner 1 incarnation {inc}",
             )
+            if h.spares is not None:  # with spares: one warm (JAX loaded, step compiled) before the kill
+                wait_for(
+                    lambda: any(ray.wait([w], timeout=0)[0] for _, _, w in h.spares.waiting), timeout, "a warm spare"
+                )
             entries_before = cache_entries(cache)
             h.kill_learner(1)
             killed = [e for e in h.metrics("fault") if e["kind"] == "kill"][-1]["time"]
@@ -422,6 +430,16 @@ def rejoins(cfg, n: int, timeout: float = 300.0) -> dict:
 
 
 # ---- driver -----------------------------------------------------------------------------------
+REJOIN = (
+    "preset=tiny",
+    "learners.count=2",
+    "syncer.quorum=1",
+    "budget.tokens=0",
+    "budget.seconds=3600",
+    "metrics.eval_every_s=1000",
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny preset, 100 timed steps, 1 rejoin (~70 s)")
@@ -468,17 +486,7 @@ def main() -> None:
             *gpu,
         )
     )
-    rejoin_cfg = config.load(
-        overrides=(
-            "preset=tiny",
-            "learners.count=2",
-            "syncer.quorum=1",
-            "budget.tokens=0",
-            "budget.seconds=3600",
-            "metrics.eval_every_s=1000",
-            *gpu,
-        )
-    )
+    rejoin_cfg = config.load(overrides=(*REJOIN, *gpu))
     t0 = time.time()
     owns = connect(None, num_cpus=max(os.cpu_count() or 1, 3))
     try:
@@ -491,6 +499,8 @@ def main() -> None:
         ov = overhead(overhead_cfg, warmup, steps, chunk, reps)
         print(f"rejoin: tiny preset, 2 learners, K=1, {n_rejoins} kill(s) of learner 1", flush=True)
         rj = rejoins(rejoin_cfg, n_rejoins)
+        print("rejoin with a warm spare (learners.spares=1): the same kills", flush=True)
+        rj_spare = rejoins(config.load(overrides=(*REJOIN, "learners.spares=1", *gpu)), n_rejoins)
     finally:
         if owns:
             ray.shutdown()
@@ -505,6 +515,8 @@ def main() -> None:
         ("actor CPU use while training (median)", ov["cores_used_median"]["actor"], "cores"),
         ("kill -> learner_restart (median)", rj["kill_to_restart_s_median"], "s"),
         ("kill -> first merge again (median)", rj["kill_to_first_merge_s_median"], "s"),
+        ("with a spare: kill -> learner_restart (median)", rj_spare["kill_to_restart_s_median"], "s"),
+        ("with a spare: kill -> first merge again (median)", rj_spare["kill_to_first_merge_s_median"], "s"),
         ("compile cache entries before run", rj["compilation_cache"]["entries_at_start"], "files"),
         ("restarts compiled from cache", rj["compilation_cache"]["restarts_compiled_from_cache"], "bool"),
         ("benchmark wall time", wall, "s"),
@@ -522,6 +534,7 @@ def main() -> None:
                 "table": [{"operation": op, "value": v, "unit": unit} for op, v, unit in rows],
                 "overhead": {**ov, "preset": preset, "batch": args.batch, "seq": args.seq, "params": n_params},
                 "rejoin": rj,
+                "rejoin_spares": rj_spare,
                 "config": {"overhead": overhead_cfg.to_dict(), "rejoin": rejoin_cfg.to_dict()},
                 "machine": {
                     "cpus": os.cpu_count(),

@@ -76,6 +76,25 @@ class LearnerStop(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SpareStart(Event):
+    """A spare learner process was started (`learners.spares`): provisioned from now on."""
+
+    EVENT = "spare_start"
+    spare: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareTakeover(Event):
+    """Spare `spare` took the identity of `learner`, whose process died; `cold`: no spare was
+    warm, so a new process took it (as Ray's restart would)."""
+
+    EVENT = "spare_takeover"
+    spare: int
+    learner: int
+    cold: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class LearnerDrain(Event):
     """A learner told to stop (SIGTERM: a preemption notice) pushed its unmerged progress at `step`
     (`pushed` fragments) and left after `seconds`; `merged`: every push was merged by then."""
@@ -230,7 +249,8 @@ class Chaos(Event):
 
 KINDS: dict[str, type[Event]] = {
     c.EVENT: c
-    for c in (StoreStart, SyncerStart, LearnerStart, LearnerRestart, LearnerStop, LearnerDrain, Rejection, Merge,
+    for c in (StoreStart, SyncerStart, LearnerStart, LearnerRestart, LearnerStop, LearnerDrain, SpareStart,
+              SpareTakeover, Rejection, Merge,
               RoundEmpty, CommitRejected, SyncerError, StoreError, ActorError, RunFailed, PayloadLost, PayloadResent,
               Fault, Eval, Goodput, Chaos)
 }  # fmt: skip

@@ -13,6 +13,7 @@ Jit-safety: no data-dependent Python control flow inside the jitted functions.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -166,8 +167,12 @@ def _lazy(build: Callable[[Any], Callable]) -> Callable:
     return run
 
 
+@functools.lru_cache(maxsize=8)
 def make_train_step(model: Any, cfg: InnerConfig, mesh: Mesh, sharding: str = "replicate") -> Callable:
     """Returns ``step(params, opt_state, batch, t) -> (params, opt_state, metrics)``, jitted.
+
+    Cached per (model, cfg, mesh, sharding), all hashable and equal when built alike: another
+    core in the process (a spare learner taking an identity, in-process runs) reuses the compiled step.
 
     `metrics` holds the mean loss, the gradient global norm and lr_t. Parameters and optimizer
     state are donated (updated in place), and kept where `place` puts them (`sharding`). The
@@ -208,6 +213,7 @@ def make_train_step(model: Any, cfg: InnerConfig, mesh: Mesh, sharding: str = "r
     return _lazy(build)
 
 
+@functools.lru_cache(maxsize=8)
 def make_grad_step(model: Any, mesh: Mesh, sharding: str = "replicate", accum: int = 1) -> Callable:
     """Returns ``grad_step(params, batch) -> (grads, metrics)``, jitted: the mean-loss gradient on
     `batch` (over `accum` micro-batches) without applying it (the data-parallel baselines send it;

@@ -75,6 +75,7 @@ class Tally:
         self._kills: list[dict[str, Any]] = []
         self._restarting: dict[int, dict[str, Any]] = {}
         self._rejoining: dict[tuple[int, int], dict[str, Any]] = {}
+        self._spares: dict[int, list[float | None]] = {}  # spare → [started, took over (None: idle)]
         self.last_error: dict[str, Any] | None = None  # the newest error event (ERRORS)
         self.failing_since: float | None = None  # first syncer or store error since the last merge
 
@@ -102,6 +103,10 @@ class Tally:
         t = float(e.get("time", 0.0))
         if kind == "learner_start":
             self._learner(int(e["learner"]), t)
+        elif kind == "spare_start":
+            self._spares[int(e["spare"])] = [t, None]
+        elif kind == "spare_takeover" and int(e["spare"]) in self._spares:
+            self._spares[int(e["spare"])][1] = t
         if kind in ("learner_start", "learner_restart") and int(e["learner"]) in self._learners:
             self._learners[int(e["learner"])]["stop"] = None  # back after it left (a drain): provisioned again
         elif kind == "learner_stop" and int(e["learner"]) in self._learners:
@@ -178,9 +183,17 @@ class Tally:
         """Tokens merged so far: Σ over merged pushes of their new steps × tokens per step / P."""
         return sum(float(v["merged_tokens"] or 0.0) for v in self._learners.values())
 
+    def spare_time(self, end: float) -> float:
+        """Seconds spare learners were provisioned while idle: from their start to their takeover
+        (or `end`). An idle spare is a provisioned host, so goodput counts it."""
+        return sum(
+            max(0.0, min(end, end if stop is None else stop) - float(start or 0.0))
+            for start, stop in self._spares.values()
+        )
+
     def goodput(self, end: float) -> float:
         per = self.learner_time(end).values()
-        provisioned = sum(v["provisioned"] for v in per)
+        provisioned = sum(v["provisioned"] for v in per) + self.spare_time(end)
         return sum(v["merged"] for v in per) / provisioned if provisioned > 0 else 0.0
 
     def uptime(self, end: float) -> float:
@@ -234,6 +247,7 @@ def summarize(
         "tokens_merged_ratio": merged / tokens_trained if tokens_trained else 0.0,
         "goodput": tally.goodput(stop_at),
         "learner_time": per_learner,
+        "spare_s": tally.spare_time(stop_at),  # idle spares' provisioned seconds (in goodput's denominator)
         "faults": faults - tally.counts["fault_skipped"],
         "faults_skipped": tally.counts["fault_skipped"],
         "downtime_s": sorted(d["downtime_s"] for d in kills if d["downtime_s"] is not None),  # kill → registered

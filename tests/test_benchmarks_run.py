@@ -51,6 +51,10 @@ def test_learner_overhead_quick_writes_positive_numbers(tmp_path):
     assert 0 < row["kill_to_restart_s"] < row["kill_to_first_merge_s"]
     assert rj["kill_to_restart_s_median"] > 0 and rj["kill_to_first_merge_s_median"] > 0
     assert isinstance(rj["compilation_cache"]["restarts_compiled_from_cache"], bool)
+    spare = d["rejoin_spares"]["rejoins"]  # the same kill, taken over by a warm spare
+    assert [r["incarnation"] for r in spare] == [2] and 0 < spare[0]["kill_to_restart_s"] < spare[0][
+        "kill_to_first_merge_s"
+    ]
     assert d["machine"]["cpus"] >= 1 and d["versions"]["jax"] and d["versions"]["ray"]
 
 
@@ -142,3 +146,21 @@ def test_quality_tiny_sweeps_then_runs_the_winners_at_equal_tokens(tmp_path):
     assert all(r["config_hash"] in text for r in runs)
     assert "Not run: `python benchmarks/bandwidth.py`" in text and "Not run: `sudo python benchmarks/wan.py`" in text
     assert (md.parent / "figures" / "quality.png").stat().st_size > 1000
+
+
+def test_syncer_scale_quick_writes_a_row_per_cell_and_its_section(tmp_path):
+    out = tmp_path / "syncer_scale.json"
+    run_script("syncer_scale.py", "--quick", "--repeat", "1", "--out", str(out))
+    d = json.loads(out.read_text())
+    assert [(r["params"], r["learners"]) for r in d["rows"]] == [(2_000_000, 2), (2_000_000, 4)]
+    for r in d["rows"]:
+        parts = r["screen_s"] + r["merge_s"] + r["outer_s"] + r["publish_s"] + r["wal_s"]
+        assert r["commit_s"] == pytest.approx(parts) and r["commits_per_s"] == pytest.approx(1 / parts)
+        assert r["contributions_per_s"] == pytest.approx(r["learners"] / parts) and r["shards"] == 1
+        assert r["arith_ratio_to_memcpy"] > 0 and r["rss_syncer_x_model"] > 0 and r["rss_store_x_model"] > 0
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import syncer_scale
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert "| 2 M | 4 |" in syncer_scale.report(d)

@@ -51,6 +51,8 @@ def test_every_kind_round_trips_through_json():
         events.Goodput(time=13.0, goodput=0.9, uptime=1.0),
         events.Chaos(time=0.0, seed=3, faults=2, stragglers=[1]),
         events.LearnerDrain(time=4.5, learner=0, incarnation=2, step=29, pushed=2, merged=True, seconds=0.8),
+        events.SpareStart(time=0.5, spare=0),
+        events.SpareTakeover(time=4.6, spare=0, learner=1),
     ]
     assert {type(e) for e in samples} == set(events.KINDS.values())  # one sample per kind
     for e in samples:

@@ -140,3 +140,29 @@ def test_driver_memory_benchmark_runs_and_the_tally_holds_far_less(tmp_path):
     a, b = r["rows"]["all events"], r["rows"]["tally"]
     assert a["merges"] == b["merges"] > 19000 and a["goodput"] == pytest.approx(b["goodput"])
     assert b["memory_mib"] < a["memory_mib"] / 5  # the ring and the accounts, not every event
+
+
+def test_an_idle_spare_is_provisioned_time_until_it_takes_over():
+    """Spare 0 waits from 0 to 50, when it takes over learner 1 (killed at 48); spare 1, started in
+    its place at 50, waits to the end (100). Learners: 0 over [0, 100], 1 over [0, 100] (its
+    identity continues in the spare). Merged: 40 s of learner 0, 30 s of learner 1.
+    goodput = 70 / (100 + 100 + 50 + 50) = 0.2333…"""
+    trace = [
+        {"event": "learner_start", "time": 0.0, "learner": 0},
+        {"event": "learner_start", "time": 0.0, "learner": 1},
+        {"event": "spare_start", "time": 0.0, "spare": 0},
+        merge(40.0, 0, [0, 1], [40, 30], [40, 30], [4000, 3000], [1.0, 1.0]),
+        {"event": "fault", "time": 48.0, "kind": "kill", "target": "learner-1"},
+        {"event": "spare_takeover", "time": 50.0, "spare": 0, "learner": 1, "cold": False},
+        {"event": "spare_start", "time": 50.0, "spare": 1},
+        {"event": "learner_restart", "time": 50.5, "learner": 1, "incarnation": 2},
+    ]
+    from dloco.tally import Tally
+
+    t = Tally(fragments=1, stall_threshold=100.0, start=0.0)
+    for e in trace:
+        t.add(e)
+    assert t.spare_time(100.0) == 100.0  # 50 + 50
+    assert t.goodput(100.0) == pytest.approx(70 / 300)
+    assert metrics.goodput(trace, 100.0, 1) == pytest.approx(70 / 300)
+    assert t.downtimes()[0]["downtime_s"] == pytest.approx(2.5)  # kill → the spare registered as learner 1

@@ -55,6 +55,39 @@ def test_killed_learner_restarts_resumes_and_others_never_stall(ray_cluster, cfg
         h.stop()
 
 
+def test_a_warm_spare_takes_over_a_killed_learner_at_its_merged_cursor(ray_cluster, cfg_for, tmp_path):
+    """learners.spares=1: the killed learner's identity passes to the warm spare, which resumes at
+    the merged cursor the store holds for it (no token trained twice, none skipped); a new spare
+    takes its place; the spare's idle time counts as provisioned."""
+    from actors.launch import start
+
+    h = start(
+        cfg_for("learners.count=2", "learners.spares=1", "syncer.quorum=1", "budget.seconds=600"), run_dir=tmp_path
+    )
+    try:
+        wait_for(lambda: any(1 in e["contributors"] for e in merges(h)) and len(merges(h)) >= 6)
+        assert h.spares is not None
+        wait_for(lambda: ray.wait([h.spares.waiting[0][2]], timeout=0)[0])  # warm: JAX loaded, step compiled
+        spare = h.spares.waiting[0][1]
+        h.kill_learner(1)
+        takeover = wait_for(lambda: h.metrics("spare_takeover"))[0]
+        assert (takeover["spare"], takeover["learner"], takeover["cold"]) == (0, 1, False)
+        assert h.learners[1] is spare
+        restart = wait_for(lambda: [e for e in h.metrics("learner_restart") if e["learner"] == 1])[0]
+        last: dict[int, int] = {}  # fragment → the last step of incarnation 1 merged before the spare registered
+        for e in merges(h):
+            for m, inc, step in zip(e["contributors"], e["incarnations"], e["steps"], strict=True):
+                if (m, inc) == (1, 1) and e["time"] <= restart["time"]:
+                    last[e["fragment"]] = max(last.get(e["fragment"], 0), step)
+        assert restart["incarnation"] == 2 and len(last) == 2 and restart["step"] == min(last.values()), (last, restart)
+        assert restart["cursor"] is not None
+        wait_for(lambda: any((1, 2) in zip(e["contributors"], e["incarnations"], strict=True) for e in merges(h)))
+        assert [e["spare"] for e in h.metrics("spare_start")] == [0, 1]  # the next spare started at the takeover
+    finally:
+        summary = h.stop()
+    assert summary is not None and summary["spare_s"] > 0 and summary["learner_time"][1]["provisioned"] > 0
+
+
 def test_killed_store_with_its_disk_lost_restores_from_its_mirror_without_losing_versions(
     ray_cluster, cfg_for, tmp_path
 ):

@@ -81,6 +81,7 @@ class LearnersConfig:
     sharding: str = "replicate"  # over a learner's devices: replicate | fsdp (parameters and AdamW state split)
     compile_cache_dir: str = "~/.cache/dloco/jax"  # JAX's persistent compilation cache ("": none)
     drain_s: float = 20.0  # on SIGTERM (a preemption notice): push unmerged progress, leave within this (0: at once)
+    spares: int = 0  # warm spare learner processes (the first group's resources) that take over a dead learner's id
 
     def __post_init__(self) -> None:
         _finite("learners", self)
@@ -94,6 +95,7 @@ class LearnersConfig:
         _check(self.num_gpus >= 0, "learners.num_gpus", self.num_gpus, "must be >= 0")
         _check(self.cpu_limit >= 0, "learners.cpu_limit", self.cpu_limit, "must be >= 0 cores (0: no cap)")
         _check(self.drain_s >= 0, "learners.drain_s", self.drain_s, "must be >= 0 seconds (0: leave at once)")
+        _check(self.spares >= 0, "learners.spares", self.spares, "must be >= 0 (0: Ray restarts a dead learner)")
         _check(self.sharding in ("replicate", "fsdp"), "learners.sharding", self.sharding, "must be replicate or fsdp")
         _resources("learners", self.num_cpus, self.num_gpus, self.resources)
 

@@ -13,6 +13,9 @@ algorithms (dp, elastic_dp, diloco, streaming) wait for the merge of each push; 
 has not come `chaos.resend_s` after it was sent (or lost) is sent again (`resend_due`), which also
 recovers a round a restarted syncer forgot. Straggling and freezes are time, which the driver
 (`actors.learner` or `dloco.sim`) spends; `step_factor` says how much.
+
+A spare learner (`learners.spares`) runs `warm_up` before it has an identity; the service it then
+builds from that blueprint neither tokenizes nor compiles again.
 """
 
 from __future__ import annotations
@@ -27,6 +30,19 @@ from dloco.learner import Delivery, LearnerCore, Push
 from dloco.services.wire import Clock, PayloadLostError, StorePeer, SyncerPeer, Transport, Update
 
 
+def warm_up(cfg: RunConfig, mesh, expect: dict | None = None) -> build.Blueprint:
+    """What a spare prepares before it takes an identity: the blueprint (the driver's tokenizer,
+    the corpus checked against the driver's), the training split mapped, and the train step
+    compiled by one step of a throwaway core on shard 0 (`inner.make_train_step` is cached, so the
+    real core reuses it; a group whose batch size differs compiles its own on its first step)."""
+    bp = build.blueprint(cfg, (expect or {}).get("tokenizer_json"))
+    build.check_corpus(cfg, bp.corpus, expect, "a spare learner")
+    stream = build.stream(cfg, bp.corpus.load_split("train"), 0, None, build.learner_batch_size(cfg, 0))
+    versions = [0] * bp.plan.count
+    LearnerCore(cfg, 0, 0, bp.model, mesh, bp.plan, list(bp.initial), versions, stream).step(step_time=0.0)
+    return bp
+
+
 class LearnerService:
     def __init__(
         self,
@@ -38,11 +54,13 @@ class LearnerService:
         clock: Clock,
         mesh,
         expect: dict | None = None,
+        warm: build.Blueprint | None = None,
     ) -> None:
         self.cfg, self.learner_id = cfg, learner_id
         self.store, self.syncer, self.transport, self.clock = store, syncer, transport, clock
-        bp = build.blueprint(cfg, (expect or {}).get("tokenizer_json"))  # the driver's tokenizer, not its own
-        build.check_corpus(cfg, bp.corpus, expect, f"learner {learner_id}")  # before it registers
+        bp = warm or build.blueprint(cfg, (expect or {}).get("tokenizer_json"))  # the driver's tokenizer
+        if warm is None:  # (a spare's `warm_up` checked it)
+            build.check_corpus(cfg, bp.corpus, expect, f"learner {learner_id}")  # before it registers
         reg = store.register(learner_id)
         versions, fragments = store.fragments(shadow=True, learner_id=learner_id)
         cursor = Cursor.from_dict(reg.cursor) if reg.cursor else None
