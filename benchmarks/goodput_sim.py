@@ -45,6 +45,31 @@ def max_diff(p: goodput.FleetParams, rows) -> float:
     return float(max(abs(100 * v - t) for r in rows for v, t in zip(g[r], goodput.PAPER_TABLE1[r], strict=True)))
 
 
+def diagonals(chips, table: dict) -> dict:
+    """The paper's cells grouped by chips per learner (elastic_dp as one learner of all chips).
+
+    The closed form depends on chips per learner only (decoupled learners fail independently, at a
+    rate ∝ their chips, and never wait for each other), so it is constant along each group; the
+    paper's cells in a group show how much its own numbers move at equal chips per learner (its
+    simulation noise and integer rounding) and whether they trend with the total scale."""
+    groups: dict[int, list[dict]] = {}
+    for row, t in table.items():
+        if row == "dp":
+            continue
+        m = 1 if row == "elastic_dp" else int(row.removeprefix("M="))
+        for n, paper, ours in zip(chips, t["paper"], t["model"], strict=True):
+            groups.setdefault(n // m, []).append({"row": row, "chips": n, "paper": paper, "ours": ours})
+    out = {}
+    for per, cells in sorted(groups.items(), reverse=True):
+        if len(cells) >= 3:
+            cells.sort(key=lambda c: c["chips"])
+            vals = [c["paper"] for c in cells]
+            out[str(per)] = {"cells": cells, "spread": max(vals) - min(vals), "ours": cells[0]["ours"]}
+    largest = chips[-1]
+    at_largest = {row: t["paper"][-1] - t["model"][-1] for row, t in table.items()}
+    return {"groups": out, "paper_minus_ours_at_largest": at_largest, "largest": largest}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer simulated interruptions per cell (5000)")
@@ -124,6 +149,13 @@ def main() -> None:
         + ", ".join(f"{k} s: {v:.1f}" for k, v in ablation["prediction_max_abs_diff_by_sync_lost_s"].items())
     )
     print(f"event simulation ({events} interruptions per cell) vs closed form: max |diff| {sim_gap:.2f} pts")
+    diag = diagonals(chips, table)
+    print("the paper's cells at equal chips per learner (ours is one value per group):")
+    for per, g in diag["groups"].items():
+        cells = ", ".join(f"{c['row']} @ {label(c['chips'])} {c['paper']}" for c in g["cells"])
+        print(f"  {int(per) / 1e3:g}k per learner, ours {g['ours']:.1f}: {cells} (spread {g['spread']})")
+    signs = ", ".join(f"{r} {d:+.1f}" for r, d in diag["paper_minus_ours_at_largest"].items())
+    print(f"paper − ours at {label(diag['largest'])}: {signs}")
     print(f"took {seconds:.2f} s")
 
     out = Path(args.out)
@@ -140,6 +172,7 @@ def main() -> None:
         "misses": misses,
         "ablation": ablation,
         "simulation": {"events_per_cell": events, "seed": args.seed, "max_abs_diff_points": sim_gap},
+        "diagonals": diag,
         "seconds": seconds,
         "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
