@@ -14,14 +14,15 @@ int4 contributions (block 128), as the syncer and the store do it:
   decoded   for comparison, the path before: every payload decoded to float32, its norms
             computed, then the merge (+ the same outer step)
 
-Each cell runs in its own process per role (glibc's mmap threshold fixed at 1 MiB, so freed arrays
-leave RSS), so each peak RSS is that role's: VmHWM, reset once the synthetic inputs are built, less
-the process's RSS with numpy and JAX loaded, in multiples of the N·4 bytes of the fp32 model (what
-the role holds plus what one commit adds). Roles: the syncer (packed path), the syncer on the
-decoded path, the store (its fragments, outer state and shadow, and the log write). The
-arithmetic ratio is parameters merged per second by screen + merge + outer against parameters
-copied per second by a warm memcpy (goal ≥ 0.3). Commits/s sustained by one shard pair is
-1 / (screen + merge + outer + publish + wal): M × that many contributions/s.
+Each cell runs in its own process per role, so each peak RSS is that role's: VmHWM, reset once
+the inputs are built (the contributions are built packed, as the syncer receives them), less the
+process's RSS with numpy and JAX loaded, in multiples of the N·4 bytes of the fp32 model: what the
+role holds plus what one commit adds, with glibc's default malloc (freed memory it keeps counts, as
+it would in the actor). Roles: the syncer (packed path), the syncer on the decoded path, the store
+(its fragments, outer state and shadow, and the log write). The arithmetic ratio is parameters
+merged per second by screen + merge + outer against parameters copied per second by a warm memcpy
+(goal ≥ 0.3). Commits/s sustained by one shard pair is 1 / (screen + merge + outer + publish +
+wal): M × that many contributions/s.
 Sharding (S > 1) is not built: every row is S = 1.
 
 Usage:  python benchmarks/syncer_scale.py [--params 1e8 3e8] [--learners 4 8] [--repeat 2] [--quick]
@@ -110,15 +111,17 @@ def cell(role: str, n: int, m: int, repeat: int) -> dict:
             out["wal_bytes"] = path.stat().st_size
         out["peak_rss"] = peak_rss()
         return out
+    # int4 contributions built packed (random codes, scales about 1e-3 / 7), as the syncer receives
+    # them: no float32 copy is ever allocated, so the process's heap holds nothing the syncer would not
     payloads = []
-    for _ in range(m):  # one float32 contribution at a time: the syncer only ever holds the packed ones
-        d = fragment_set(n, rng, 1e-3)
-        payloads.append({k: compress.encode(v, "int4", BLOCK) for k, v in d.items()})
-        del d
+    for _ in range(m):
+        d = {}
+        for k, v in theta.items():
+            codes = rng.integers(0, 256, v.size // 2, dtype=np.uint8)
+            scales = (rng.random(-(-v.size // BLOCK), dtype=np.float32) * np.float32(3e-4)).astype(np.float16)
+            d[k] = compress.Payload("int4", v.shape, codes, scales, BLOCK)
+        payloads.append(d)
     weights = merge.token_weights([1000 * (i + 1) for i in range(m)], [10] * m)
-    copies = {k: np.empty_like(v) for k, v in theta.items()}
-    out["memcpy_s"] = best(lambda: [np.copyto(copies[k], v) for k, v in theta.items()], repeat)
-    copies.clear()
     holder: dict = {}
 
     def screen():
@@ -139,13 +142,20 @@ def cell(role: str, n: int, m: int, repeat: int) -> dict:
         out["merge_s"] = best(
             lambda: holder.update(grad=merge.merge_fragment(payloads, weights, "rda", norms=holder["norms"])), repeat
         )
+    out["merge_peak_rss"] = peak_rss()  # what the role holds, and screen + merge on top (no outer step yet)
     step(theta, state, holder["grad"], m)  # compiled once, outside the timing
     out["outer_s"] = best(lambda: holder.update(new=step(theta, state, holder["grad"], m)[0]), repeat)
     if role == "syncer":
         new = holder["new"]
         out["publish_s"] = best(lambda: [compress.encode(new[k] - theta[k], "int4", BLOCK) for k in theta], repeat)
     out["peak_rss"] = peak_rss()
+    copies = {k: np.empty_like(v) for k, v in theta.items()}  # last: after the peak is read
+    out["memcpy_s"] = best(lambda: [np.copyto(copies[k], v) for k, v in theta.items()], repeat)
     return out
+
+
+def num(v: float | None, fmt: str, suffix: str = "") -> str:
+    return "—" if v is None else f"{v:{fmt}}{suffix}"
 
 
 def report(doc: dict) -> str:
@@ -158,36 +168,40 @@ def report(doc: dict) -> str:
         "seconds. *x memcpy*: parameters merged per second by screen + merge + outer against parameters "
         "copied per second by a warm memcpy. *decoded*: merge + outer on the path before (each payload "
         "decoded to float32 first). RSS: each role's peak in its own process, less its RSS with numpy and "
-        "JAX loaded, in multiples of the fp32 model (N × 4 bytes). One shard pair (S = 1): sharding is not built.",
+        "JAX loaded, in multiples of the fp32 model (N × 4 bytes): the syncer's after screen + merge, and with "
+        "the outer step and publish (a commit). One shard pair (S = 1): sharding is not built.",
         "",
         "| N | M | memcpy | screen | merge | outer | publish | wal | commit | x memcpy | decoded | "
-        "commits/s | contributions/s | RSS syncer | RSS decoded | RSS store |",
+        "commits/s | contributions/s | RSS syncer: merge / commit | RSS decoded: merge / commit | RSS store |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         lines.append(
             f"| {r['params'] / 1e6:.0f} M | {r['learners']} | {r['memcpy_s']:.3f} | {r['screen_s']:.3f} | "
             f"{r['merge_s']:.3f} | {r['outer_s']:.3f} | {r['publish_s']:.3f} | {r['wal_s']:.3f} | "
-            f"{r['commit_s']:.3f} | {r['arith_ratio_to_memcpy']:.3f} | {r['decoded_merge_outer_s']:.3f} | "
-            f"{r['commits_per_s']:.3f} | {r['contributions_per_s']:.2f} | {r['rss_syncer_x_model']:.2f}× | "
-            f"{r['rss_decoded_x_model']:.2f}× | {r['rss_store_x_model']:.2f}× |"
+            f"{r['commit_s']:.3f} | {r['arith_ratio_to_memcpy']:.3f} | {num(r['decoded_merge_outer_s'], '.3f')} | "
+            f"{r['commits_per_s']:.3f} | {r['contributions_per_s']:.2f} | {r['rss_syncer_merge_x_model']:.2f}× / "
+            f"{r['rss_syncer_x_model']:.2f}× | {num(r['rss_decoded_merge_x_model'], '.2f', '×')} / "
+            f"{num(r['rss_decoded_x_model'], '.2f', '×')} | {r['rss_store_x_model']:.2f}× |"
         )
+    for r in doc["rows"]:
+        if r.get("decoded_error"):
+            lines += ["", f"Decoded path at {r['params'] / 1e6:.0f} M, M = {r['learners']}: {r['decoded_error']}."]
     return "\n".join(lines)
 
 
 def run_cell(role: str, n: int, m: int, repeat: int) -> dict:
-    # glibc's malloc keeps freed 16 MB tensors in its heap once its dynamic mmap threshold has grown
-    # past them, so RSS would count the set-up's garbage: a fixed threshold returns them at free
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     proc = subprocess.run(
         [sys.executable, __file__, "--cell", role, str(n), str(m), "--repeat", str(repeat)],
-        env=env,
         capture_output=True,
         text=True,
         check=False,
     )
+    if proc.returncode == -9 and role == "decoded":  # the kernel's OOM killer: this path needs M fp32 copies
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+        return {"error": f"killed by SIGKILL, out of memory ({ram:.0f} GiB of RAM here)"}
     if proc.returncode != 0:
-        raise RuntimeError(f"cell {role} {n} {m} failed: {proc.stderr[-2000:]}")
+        raise RuntimeError(f"cell {role} {n} {m} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -206,12 +220,6 @@ def main() -> None:
         return
     params, learners = ([2e6], [2, 4]) if args.quick else (args.params, args.learners)
     rows = []
-    head = (
-        f"{'params':>7s} {'M':>2s} {'memcpy':>7s} {'screen':>7s} {'merge':>7s} {'outer':>7s} {'publish':>7s} "
-        f"{'wal':>7s} {'commit':>7s} {'x memcpy':>8s} {'decoded':>8s} {'commits/s':>9s} {'contrib/s':>9s} "
-        f"{'RSS syncer':>10s} {'decoded':>8s} {'store':>6s}"
-    )
-    print(head)
     for n in (int(p) for p in params):
         store = run_cell("store", n, 1, args.repeat)
         for m in learners:
@@ -224,23 +232,21 @@ def main() -> None:
                 "wal_s": store["wal_s"],
                 "commit_s": commit,
                 "arith_ratio_to_memcpy": s["memcpy_s"] / arith,
-                "decoded_merge_outer_s": dec["decoded_s"] + dec["outer_s"],
+                "decoded_merge_outer_s": None if "error" in dec else dec["decoded_s"] + dec["outer_s"],
+                "decoded_error": dec.get("error"),
                 "commits_per_s": 1 / commit,
                 "contributions_per_s": m / commit,
                 "rss_syncer_x_model": (s["peak_rss"] - s["base_rss"]) / model,
-                "rss_decoded_x_model": (dec["peak_rss"] - dec["base_rss"]) / model,
+                "rss_syncer_merge_x_model": (s["merge_peak_rss"] - s["base_rss"]) / model,
+                "rss_decoded_merge_x_model": None
+                if "error" in dec
+                else (dec["merge_peak_rss"] - dec["base_rss"]) / model,
+                "rss_decoded_x_model": None if "error" in dec else (dec["peak_rss"] - dec["base_rss"]) / model,
                 "rss_store_x_model": (store["peak_rss"] - store["base_rss"]) / model,
                 "shards": 1,
             }
             rows.append(row)
-            print(
-                f"{n / 1e6:6.0f}M {m:2d} {s['memcpy_s']:7.3f} {s['screen_s']:7.3f} {s['merge_s']:7.3f} "
-                f"{s['outer_s']:7.3f} {s['publish_s']:7.3f} {store['wal_s']:7.3f} {commit:7.3f} "
-                f"{row['arith_ratio_to_memcpy']:8.3f} {row['decoded_merge_outer_s']:8.3f} "
-                f"{row['commits_per_s']:9.3f} {row['contributions_per_s']:9.2f} {row['rss_syncer_x_model']:9.2f}x "
-                f"{row['rss_decoded_x_model']:7.2f}x {row['rss_store_x_model']:5.2f}x",
-                flush=True,
-            )
+            print(f"{n / 1e6:.0f} M parameters, M = {m}: commit {commit:.3f} s", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "repeat": args.repeat}

@@ -278,26 +278,12 @@ _SQ_LUT = {d: _sq_table(d) for d in _LEVELS}
 def encode_with_feedback(
     x: np.ndarray, residual: np.ndarray | None, dtype: str, block: int = 128
 ) -> tuple[Payload, np.ndarray]:
-    """Compresses ``x`` with error feedback (ALGORITHM.md §4).
+    """Compresses ``x`` = δ with error feedback (ALGORITHM.md §4): ``y = δ + e``, payload ``Q(y)``,
+    ``e ← y − Q⁻¹(Q(y))``, so the running sum of decoded payloads tracks the running sum of inputs
+    within one quantization step. `residual`: ``e`` from the previous call, or ``None`` for zeros.
 
-    ::
-
-      y = δ + e,   payload = Q(y),   e ← y − Q⁻¹(Q(y))
-
-    The residual ``e`` carries what the wire lost into the next call, so the running sum of decoded
-    payloads tracks the running sum of inputs within one quantization step.
-
-    Args:
-      x: the delta ``δ``.
-      residual: the residual ``e`` from the previous call, or ``None`` for zeros.
-      dtype: wire dtype, one of :data:`DTYPES`.
-      block: values per scale block.
-
-    Returns:
-      ``(payload, new_residual)``; ``new_residual`` is a fresh float32 array of ``x``'s shape.
-
-    Raises:
-      ValueError: as :func:`encode`, or when ``residual``'s shape differs from ``x``'s.
+    Returns ``(payload, new_residual)``, the residual a fresh float32 array of ``x``'s shape.
+    ValueError: as :func:`encode`, or when ``residual``'s shape differs from ``x``'s.
     """
     x = np.asarray(x, dtype=np.float32)
     if residual is None:

@@ -445,7 +445,11 @@ def test_sigterm_drains_a_learner_it_pushes_its_progress_leaves_and_resumes_wher
                 if line.startswith("ray_dloco_") and f'run="{tmp_path.name}"' in line
             }
 
-        gauges = wait_for(lambda: len(exported()) == 11 and exported(), 60)
+        def merged_exported():  # the endpoint shows what was exported last (periodically): wait for a tick with merges
+            g = exported()
+            return len(g) == 11 and g["ray_dloco_merges"] > 0 and g
+
+        gauges = wait_for(merged_exported, 60)
         assert gauges["ray_dloco_merges"] > 0 and 0 < gauges["ray_dloco_goodput"] <= 1, gauges
         assert gauges["ray_dloco_tokens_trained"] > 0 and gauges["ray_dloco_bytes_up"] > 0, gauges
         # and `dloco status` / `dloco stop` from outside, through the run directory
