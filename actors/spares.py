@@ -60,7 +60,7 @@ class SparePool:
     def __init__(self, cfg: RunConfig, namespace: str, corpus: dict, record: Callable[[dict], None]) -> None:
         self.cfg, self.namespace, self.corpus, self.record = cfg, namespace, corpus, record
         self.waiting: list[tuple[int, Any, Any]] = []  # (spare id, actor, its ping: done when warm), oldest first
-        self.started = 0
+        self.started = self.cold = 0
         for _ in range(cfg.learners.spares):
             self._start()
 
@@ -86,7 +86,8 @@ class SparePool:
             self.record(events.SpareTakeover(time=time.time(), spare=j, learner=m).to_dict())
             return actor
         self.record(events.SpareTakeover(time=time.time(), spare=-1, learner=m, cold=True).to_dict())
-        return learner_actor(self.cfg, f"learner-{m}", m, self.namespace, self.corpus)
+        self.cold += 1  # a name of its own: the dead process's may not be released yet
+        return learner_actor(self.cfg, f"learner-{m}-{self.cold}", m, self.namespace, self.corpus)
 
     def actors(self) -> list[Any]:
         return [a for _, a, _ in self.waiting]

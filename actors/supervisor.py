@@ -378,7 +378,7 @@ class RunHandle:
                 ray.kill(a, no_restart=True)
         if self.cfg.learners.cpu_limit > 0:
             time.sleep(1.0)  # let the killed learner processes exit their cgroups
-            isolation.release(f"{self.namespace}-learner-")
+            isolation.release(f"{self.namespace}-")  # learners and spares
         self._metrics_file.close()
         self._tensorboard.close()
         if self.owns_ray:
