@@ -41,33 +41,20 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import merge_throughput  # noqa: E402  (this directory: its tensors and its best-of timer)
 import numpy as np  # noqa: E402
+from merge_throughput import best  # noqa: E402
 
 TENSOR = 4_000_000
 BLOCK = 128
 
 
-def fragment_set(n: int, rng: np.random.Generator, scale: float = 1.0) -> dict[str, np.ndarray]:
-    out, left, i = {}, n, 0
-    while left > 0:
-        k = min(TENSOR, left)
-        out[f"t{i:04d}"] = rng.standard_normal(k, dtype=np.float32) * np.float32(scale)
-        left, i = left - k, i + 1
-    return out
-
-
-def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def fragment_set(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return merge_throughput.fragment_set(n, TENSOR, rng)
 
 
 def current_rss() -> int:

@@ -72,12 +72,17 @@ def write(path: str | os.PathLike, payload: bytes) -> None:
 def replace_bytes(path: str | os.PathLike, *parts: bytes) -> None:
     """Atomically and durably replaces `path` with the concatenated `parts` as they are (a copy of a
     file `write` made keeps its header, so it verifies wherever it lands)."""
+    _replace(path, lambda fh: [fh.write(part) for part in parts])
+
+
+def _replace(path: str | os.PathLike, fill: Callable[[BinaryIO], object]) -> None:
+    """`fill` writes a temporary file beside `path` (open for reading too), which is fsynced and
+    renamed over `path`, and the directory fsynced; on any error the temporary file is removed."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
-        with os.fdopen(fd, "wb") as fh:
-            for part in parts:
-                fh.write(part)
+        with os.fdopen(fd, "w+b") as fh:
+            fill(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -158,27 +163,19 @@ def write_stream(path: str | os.PathLike, fill: Callable[[BinaryIO], None]) -> N
     """`write` of the payload that `fill` writes into an open file (it may seek within what it
     wrote): the header's place is reserved, the payload hashed by reading it back, the header
     written last, then fsync and rename as `write` does."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w+b") as fh:
-            fh.write(bytes(_HEADER.size))
-            fill(fh)
-            length = fh.seek(0, os.SEEK_END) - _HEADER.size
-            fh.seek(_HEADER.size)
-            h = hashlib.blake2b(digest_size=16)
-            while chunk := fh.read(1 << 22):
-                h.update(chunk)
-            fh.seek(0)
-            fh.write(_HEADER.pack(MAGIC, length, h.digest()))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
+
+    def framed(fh: BinaryIO) -> None:
+        fh.write(bytes(_HEADER.size))
+        fill(fh)
+        length = fh.seek(0, os.SEEK_END) - _HEADER.size
+        fh.seek(_HEADER.size)
+        h = hashlib.blake2b(digest_size=16)
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+        fh.seek(0)
+        fh.write(_HEADER.pack(MAGIC, length, h.digest()))
+
+    _replace(path, framed)
 
 
 def read_npz(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
