@@ -25,9 +25,7 @@ class Evaluator:
         self.cfg = from_dict(cfg)
         bp = build.blueprint(self.cfg, (expect or {}).get("tokenizer_json"))
         build.check_corpus(self.cfg, bp.corpus, expect, "the evaluator")
-        self.plan, self.mesh = bp.plan, inner.make_mesh()
-        self.step = inner.make_eval_step(bp.model, self.mesh)
-        self.batches = build.eval_set(self.cfg, bp.corpus)
+        self.loss = OnDriver(self.cfg, bp)  # the same evaluation, in this actor's process
         self.store = ray.get_actor(store_name, namespace=namespace)
 
     def ping(self) -> bool:
@@ -36,8 +34,7 @@ class Evaluator:
     def evaluate(self) -> dict:
         """``{"loss": …, "versions": […]}`` of the global model the store holds now."""
         versions, fragments = cast(tuple[list, list], ray.get(self.store.fragments.remote()))
-        params = inner.replicate(self.plan.join(fragments), self.mesh)
-        return {"loss": inner.evaluate(self.step, params, self.batches, self.mesh), "versions": list(versions)}
+        return {"loss": self.loss(fragments), "versions": list(versions)}
 
 
 def placed(cfg: RunConfig) -> bool:
@@ -46,7 +43,8 @@ def placed(cfg: RunConfig) -> bool:
 
 
 class OnDriver:
-    """The evaluation in the driver's process: the loss of the fragments it is given."""
+    """The evaluation itself: the loss of the fragments it is given on the run's validation
+    batches, in the driver's process (or the `Evaluator` actor's)."""
 
     def __init__(self, cfg: RunConfig, bp: build.Blueprint) -> None:
         self.plan, self.mesh = bp.plan, inner.make_mesh()

@@ -51,18 +51,23 @@ def commit(s, p, value, pushes=((0, 2, 10),), cid=None):
     return s.commit(Commit(p, s.versions[p], {NAMES[p]: x}, [-x], merged, cid or f"c{p}-{s.versions[p]}-{value}"))
 
 
-def _scenario(root) -> None:
-    s = open_store(root)
+def play(s, upto: int = 7) -> None:
+    """The scenario's registrations and its first `upto` commits, on the open store `s`."""
     for m in (0, 0, 1, 2, 3):
         s.register(m)
     s.retire(3)
-    for i in range(1, 8):
+    for i in range(1, upto + 1):
         if i == 5:
             s.register(1)
         if i == 7:
             s.register(2)
         pushes = ((0, 2, 10 * i), (2, 2, 10)) if i == 7 else ((0, 2, 10 * i),)
         assert commit(s, (i - 1) % 2, float(i), pushes).reason == "committed"
+
+
+def _scenario(root) -> None:
+    s = open_store(root)
+    play(s)
     assert s.versions == [4, 3] and s.registry == REGISTRY
     assert sorted(p.name for p in (root / "wal").iterdir()) == [
         "p000-v00000003.npz",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_durability import REGISTRY, assert_state, commit, damage, open_store
+from test_durability import REGISTRY, assert_state, commit, damage, open_store, play
 
 from dloco import config, durable
 from dloco.durable import RunDirLocked
@@ -24,18 +24,10 @@ def files(d: Path) -> dict[str, bytes]:
 
 
 def scenario(root: Path, uri: str, upto: int = 7, **kw):
-    """`test_durability._scenario` with a mirror: 7 commits, snap-3 and snap-6, registry as REGISTRY."""
+    """`test_durability`'s scenario (7 commits, snap-3 and snap-6, registry as REGISTRY) on a
+    mirrored store, left open."""
     s = open_store(root, mirror=Mirror(uri, **kw))
-    for m in (0, 0, 1, 2, 3):
-        s.register(m)
-    s.retire(3)
-    for i in range(1, upto + 1):
-        if i == 5:
-            s.register(1)
-        if i == 7:
-            s.register(2)
-        pushes = ((0, 2, 10 * i), (2, 2, 10)) if i == 7 else ((0, 2, 10 * i),)
-        assert commit(s, (i - 1) % 2, float(i), pushes).reason == "committed"
+    play(s, upto)
     return s
 
 
