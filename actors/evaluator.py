@@ -4,7 +4,7 @@ With `metrics.eval_num_gpus` or `metrics.eval_resources` set (an accelerator on 
 the `Evaluator` actor does it and the driver needs neither the model nor an accelerator: the actor
 builds the model and the run's fixed validation batches from the config (tokenized with the
 driver's tokenizer and checked against its corpus key, as a learner's are), and `evaluate` fetches
-the newest committed fragments from the store and returns their loss. Ray restarts it like the
+the newest committed fragments from the store (every shard's) and returns their loss. Ray restarts it like the
 other actors. With neither set (a local run, a small model), `OnDriver` does the same in the
 driver's process, which has JAX loaded already and spares the run one more process.
 """
@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import ray
 
+from actors import shards
 from actors.workers import worker_env
 from dloco import build, inner
 from dloco.config import RunConfig, from_dict
@@ -26,14 +27,14 @@ class Evaluator:
         bp = build.blueprint(self.cfg, (expect or {}).get("tokenizer_json"))
         build.check_corpus(self.cfg, bp.corpus, expect, "the evaluator")
         self.loss = OnDriver(self.cfg, bp)  # the same evaluation, in this actor's process
-        self.store = ray.get_actor(store_name, namespace=namespace)
+        self.stores = shards.actors(self.cfg, store_name, namespace)
 
     def ping(self) -> bool:
         return True
 
     def evaluate(self) -> dict:
         """``{"loss": …, "versions": […]}`` of the global model the store holds now."""
-        versions, fragments = cast(tuple[list, list], ray.get(self.store.fragments.remote()))
+        versions, fragments = shards.fragments(self.stores)
         return {"loss": self.loss(fragments), "versions": list(versions)}
 
 

@@ -41,14 +41,16 @@ from typing import NoReturn
 import ray
 from ray.exceptions import RayError
 
+from actors import shards
 from actors.isolation import limit_cpu
-from actors.transport import RayTransport, StoreHandle, SyncerHandle, WallClock
+from actors.transport import RayTransport, WallClock
 from dloco import events, inner
 from dloco.build import Blueprint
 from dloco.config import from_dict
 from dloco.metrics import typical_cycle
 from dloco.policy import Ema
 from dloco.services.learner import LearnerService, warm_up
+from dloco.services.shards import owner as fragment_owner
 from dloco.services.wire import Update
 
 
@@ -68,7 +70,7 @@ class Learner:
     ):
         self.cfg, self.learner_id = from_dict(cfg), -1
         self._where = (syncer_name, namespace, expect)
-        self.store = ray.get_actor(store_name, namespace=namespace)
+        self.stores = shards.actors(self.cfg, store_name, namespace)  # one per shard (`syncer.shards`)
         self.mesh = inner.make_mesh()
         self.warm: Blueprint | None = None  # a spare's, until it becomes a learner
         self.busy: deque[float] = deque(maxlen=64)  # per step: seconds of work (step, installs, pushes)
@@ -86,7 +88,7 @@ class Learner:
         }
         self._stop = threading.Event()
         self._ready = threading.Event()  # set once it holds an identity (at once, unless a spare)
-        self._poll: ray.ObjectRef | None = None
+        self._polls: dict[int, ray.ObjectRef] = {}  # shard → its store's long poll
         self._fetching: dict[int, ray.ObjectRef] = {}  # fragment → a catch-up fetch in flight
         self._notice: float | None = None  # when SIGTERM came (monotonic)
         self._running = False
@@ -113,8 +115,9 @@ class Learner:
             limit_cpu(f"{namespace or 'default'}-learner-{learner_id}", self.cfg.learners.cpu_limit)
         groups = self.cfg.learners.expand()
         self.latency = groups[min(learner_id, len(groups) - 1)].latency_s
-        syncer = SyncerHandle(ray.get_actor(syncer_name, namespace=namespace), self.latency)
-        store = StoreHandle(self.store)
+        store, syncer = shards.handles(
+            self.cfg, self.stores, shards.actors(self.cfg, syncer_name, namespace), self.latency
+        )
         while True:
             try:
                 self.service = LearnerService(
@@ -166,7 +169,7 @@ class Learner:
             ).to_dict()
         )  # fmt: skip
         with contextlib.suppress(RayError):  # deregistered: no mail, no share of the merges (until it registers again)
-            ray.get(self.store.retire.remote(self.learner_id), timeout=5.0)
+            ray.get([a.retire.remote(self.learner_id) for a in self.stores], timeout=5.0)
         t = time.monotonic()
         while svc.events and time.monotonic() - t < 5.0:  # the driver takes them (`drain_events`) before the end
             time.sleep(0.05)
@@ -211,25 +214,27 @@ class Learner:
         return self.status()
 
     def _check_mail(self, block: bool, timeout: float = 1.0) -> None:
-        """Takes the long poll's answer if it has come (with `block`, waits up to `timeout` for
-        it) and sends the next poll; hands over the updates whose emulated transfer is over."""
-        poll = self._poll or self._send_poll()
-        ready, _ = ray.wait([poll], timeout=timeout if block else 0)
-        if ready:
+        """Takes the long polls' answers that have come (with `block`, waits up to `timeout` for
+        one) and sends the next polls; hands over the updates whose emulated transfer is over."""
+        polls = {s: self._polls.get(s) or self._send_poll(s) for s in range(len(self.stores))}
+        ready = set(ray.wait(list(polls.values()), timeout=timeout if block else 0)[0])
+        for s, poll in polls.items():
+            if poll not in ready:
+                continue
             try:
                 updates = ray.get(poll)
-                self._poll = None
+                del self._polls[s]
             except RayError:  # the store restarted: ask the new one at once (it opens a session from `known`)
                 updates = []
-                self._send_poll()
+                self._send_poll(s)
             now = time.monotonic()
             self._arriving.extend((now + self.latency, u) for u in updates)
         self._hand_over()
 
-    def _send_poll(self) -> ray.ObjectRef:
+    def _send_poll(self, s: int) -> ray.ObjectRef:
         known = self.service.known()  # (with what arrived and waits out its emulated latency)
-        self._poll = self.store.updates.remote(self.learner_id, self.service.incarnation, known)
-        return self._poll
+        self._polls[s] = self.stores[s].updates.remote(self.learner_id, self.service.incarnation, known)
+        return self._polls[s]
 
     def _catch_up(self) -> None:
         """Fetches, without waiting, each fragment the syncer said this learner is too far behind
@@ -237,7 +242,8 @@ class Learner:
         due = self.service.catch_up_due() if self.service.behind else []
         for p in due:
             if p not in self._fetching:
-                self._fetching[p] = self.store.shadow.remote(p, self.learner_id)
+                owner = self.stores[fragment_owner(p, len(self.stores))]
+                self._fetching[p] = owner.shadow.remote(p, self.learner_id)
         for p, ref in list(self._fetching.items()):
             if ray.wait([ref], timeout=0)[0]:
                 del self._fetching[p]

@@ -23,13 +23,13 @@ from dloco.store import Commit, CommitResult, Registration
 
 
 class FragmentStore:
-    def __init__(self, cfg: dict, run_dir: str) -> None:
-        self.service = StoreService(from_dict(cfg), run_dir, RayTransport(), WallClock())
+    def __init__(self, cfg: dict, run_dir: str, shard: int = 0) -> None:
+        self.service = StoreService(from_dict(cfg), run_dir, RayTransport(), WallClock(), shard=shard)
         self.long_poll_s = self.service.cfg.store.long_poll_s
         self._mail: dict[int, asyncio.Event] = {}  # learner → set (and replaced) when mail arrives
 
-    async def register(self, learner_id: int) -> Registration:
-        return await asyncio.to_thread(self.service.register, learner_id)
+    async def register(self, learner_id: int, incarnation: int | None = None, announce: bool = True) -> Registration:
+        return await asyncio.to_thread(self.service.register, learner_id, incarnation, announce)
 
     async def retire(self, learner_id: int) -> None:
         await asyncio.to_thread(self.service.retire, learner_id)

@@ -22,19 +22,18 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors import evaluator, health, isolation, spares
+from actors import evaluator, health, isolation, shards, spares
 from actors.faults import FaultInjector
 from actors.observe import Observer
-from actors.store import FragmentStore
-from actors.syncer import Syncer
 from actors.workers import worker_env
 from dloco import build, chaos, events
 from dloco.config import RunConfig
+from dloco.services.shards import names
 from dloco.tally import Tally, summarize
 from dloco.tensorboard import TensorBoardSink
 
@@ -76,26 +75,17 @@ class RunHandle:
             "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
             "runtime_env": {"env_vars": worker_env(cfg, accelerator=False)},
         }
-        self.store: Any = (
-            cast(Any, ray.remote(FragmentStore)).options(name="store", **opts).remote(self.cfg_dict, str(run_dir))
-        )
-        self.syncer: Any = None
         self.evaluator: Any = None
+        begun: list = []  # the store and syncer shards (`actors.shards`), as each is created
         try:
-            health.started(self.store, "store")
-            # threaded: pushes are accepted on Ray's threads while one thread closes rounds
-            self.syncer = (
-                cast(Any, ray.remote(Syncer))
-                .options(name="syncer", max_concurrency=8, **opts)
-                .remote(self.cfg_dict, "store", self.namespace)
-            )
-            health.started(self.syncer, "syncer")
+            self.stores, self.syncers = shards.spawn(cfg, str(run_dir), opts, begun)
+            self.store, self.syncer = self.stores[0], self.syncers[0]
             if self._on_driver is None:
                 self.evaluator = evaluator.spawn(cfg, self.namespace, self.corpus, opts)
                 health.started(self.evaluator, "evaluator")
             self.eval_loss_start = self.evaluate()
         except BaseException:
-            for a in (self.store, self.syncer, self.evaluator):
+            for a in (*begun, self.evaluator):
                 if a is not None:
                     ray.kill(a, no_restart=True)
             self._metrics_file.close()
@@ -112,7 +102,10 @@ class RunHandle:
         self.faults.start()
 
     def _actors(self) -> dict[str, Any]:
-        return {"store": self.store, "syncer": self.syncer, "learners": dict(self.learners)}
+        """By name: ``store``/``syncer`` (shard 0's), and with several shards ``store-{s}``/``syncer-{s}``."""
+        n = self.cfg.syncer.shards
+        central = zip((*names("store", n), *names("syncer", n)), (*self.stores, *self.syncers), strict=True)
+        return {"store": self.store, "syncer": self.syncer, **dict(central), "learners": dict(self.learners)}
 
     # ---- learners ----------------------------------------------------------------------------
     def _spawn(self, m: int) -> None:
@@ -128,11 +121,11 @@ class RunHandle:
         """Learner m stays alive but silent (no steps, pushes or mail) for `seconds`."""
         self.faults.fault(f"learner-{m}", "freeze", seconds)
 
-    def kill_store(self) -> None:  # as a preemption would: Ray restarts it, it restores from its run dir
-        self.faults.fault("store", "kill")
+    def kill_store(self, shard: int = 0) -> None:  # as a preemption would: Ray restarts it, it restores from its dir
+        self.faults.fault(names("store", self.cfg.syncer.shards)[shard], "kill")
 
-    def kill_syncer(self) -> None:  # Ray restarts it; it rebuilds from the store
-        self.faults.fault("syncer", "kill")
+    def kill_syncer(self, shard: int = 0) -> None:  # Ray restarts it; it rebuilds from its store
+        self.faults.fault(names("syncer", self.cfg.syncer.shards)[shard], "kill")
 
     def add_learners(self, n: int) -> list[int]:
         """Starts `n` more learners with new ids (each reads its own data shard)."""
@@ -147,12 +140,12 @@ class RunHandle:
     def params(self, timeout: float | None = 120.0) -> dict:
         """The global model Θ now, the model's tree of float32 arrays (``GetTimeoutError`` if the store does not
         answer within `timeout`, e.g. while it restarts)."""
-        return self._bp.plan.join(ray.get(self.store.fragments.remote(), timeout=timeout)[1])
+        return self._bp.plan.join(shards.fragments(self.stores, timeout)[1])
 
     def evaluate(self, timeout: float | None = 120.0) -> float:
         """Validation loss of the current global model (`actors.evaluator`)."""
         if self._on_driver is not None:
-            return self._on_driver(ray.get(self.store.fragments.remote(), timeout=timeout)[1])
+            return self._on_driver(shards.fragments(self.stores, timeout)[1])
         return float(ray.get(self.evaluator.evaluate.remote(), timeout=timeout)["loss"])
 
     def status(self) -> dict[str, Any]:
@@ -209,7 +202,8 @@ class RunHandle:
     def _poll_actors(self) -> None:
         # A drain call is kept until it answers (a restarting actor answers late): dropping it
         # would drop the events it returns.
-        for name, actor in (("store", self.store), ("syncer", self.syncer)):
+        n = self.cfg.syncer.shards
+        for name, actor in zip((*names("store", n), *names("syncer", n)), (*self.stores, *self.syncers), strict=True):
             ref = self._drains.get(name) or actor.drain_events.remote()
             ready, _ = ray.wait([ref], timeout=2.0)
             self._drains[name] = None if ready else ref
@@ -342,7 +336,7 @@ class RunHandle:
             self._record(events.Eval(time=end, loss=end_loss, tokens=self.tokens_trained()).to_dict())
         self._record_goodput(stop_at)
         try:
-            store = ray.get(self.store.summary.remote(), timeout=60.0)
+            store = shards.summary(self.stores, timeout=60.0)
         except ray.exceptions.RayError:
             store = {"versions": None}
         if self.fatal:
@@ -371,8 +365,8 @@ class RunHandle:
             *self.learners.values(),
             *(self.spares.actors() if self.spares else ()),
             self.evaluator,
-            self.syncer,
-            self.store,
+            *self.syncers,
+            *self.stores,
         ]:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a, no_restart=True)

@@ -20,9 +20,10 @@ from dloco.services.syncer import SyncerService
 
 
 class Syncer:
-    def __init__(self, cfg: dict, store_name: str, namespace: str | None = None) -> None:
+    def __init__(self, cfg: dict, store_name: str, namespace: str | None = None, shard: int = 0) -> None:
+        """The syncer of shard `shard`; `store_name` names that shard's store actor."""
         store = StoreHandle(ray.get_actor(store_name, namespace=namespace))
-        self.service = SyncerService(from_dict(cfg), store, RayTransport(), WallClock())
+        self.service = SyncerService(from_dict(cfg), store, RayTransport(), WallClock(), shard)
         self._wake = threading.Event()
         threading.Thread(target=self._loop, name="dloco-syncer-rounds", daemon=True).start()
 

@@ -36,6 +36,7 @@ from dloco import config, durable, model
 from dloco.config import RunConfig
 from dloco.data import Tokenizer
 from dloco.fragments import flatten, unflatten
+from dloco.services import shards
 from dloco.store import SNAP_NAME, WAL_NAME, CorruptFileError, load_fragment
 
 FORMATS = ("safetensors", "orbax")
@@ -96,6 +97,27 @@ def read_global(root: str | os.PathLike, count: int, snapshot: int | None = None
     return [0 if f is None else f.version for f in frs], [None if f is None else f.values for f in frs], source
 
 
+def read_shards(run_dir: Path, count: int, n: int, snapshot: int | None = None) -> tuple[list, list, str]:
+    """`read_global` over the `n` store shards of a run (`syncer.shards`), each fragment from its own
+    shard (`dloco.services.shards`); ``snapshot=N`` reads each shard's snapshot after N of its commits."""
+    if n == 1:
+        return read_global(run_dir / "store", count, snapshot)
+    versions, values, sources = [0] * count, [None] * count, []
+    for s in range(n):
+        try:
+            v, x, source = read_global(shards.store_root(run_dir, s, n), count, snapshot)
+        except FileNotFoundError:
+            if snapshot is not None:
+                raise
+            continue  # nothing of this shard merged yet: its fragments are Θ_p⁰
+        sources.append(f"shard {s}: {source}")
+        for p in shards.owned(count, n, s):
+            versions[p], values[p] = v[p], x[p]
+    if not sources:
+        raise FileNotFoundError(f"{run_dir / 'store'}: no commit in any of its {n} shards")
+    return versions, values, ", ".join(sources)
+
+
 def _run_config(run_dir: Path) -> tuple[RunConfig, dict]:
     for name in ("config.json", "fingerprint.json"):
         if not (run_dir / name).is_file():
@@ -111,7 +133,7 @@ def read_run(run_dir: str | os.PathLike, snapshot: int | None = None) -> Exporte
     cfg, fp = _run_config(run_dir)
     vocab = int(fp["vocab_size"])
     shapes = [{n: tuple(s) for n, s in f} for f in fp["plan"]]
-    versions, values, source = read_global(run_dir / "store", len(shapes), snapshot)
+    versions, values, source = read_shards(run_dir, len(shapes), cfg.syncer.shards, snapshot)
     if any(v is None for v in values):  # a fragment never merged: Θ_p⁰, from the run's seed
         init = flatten(model.init_params(model.build(cfg.model, vocab), cfg.seed, cfg.data.seq_len))
         values = [{n: np.asarray(init[n]) for n in s} if v is None else v for v, s in zip(values, shapes, strict=True)]

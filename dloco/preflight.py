@@ -32,6 +32,7 @@ import jax
 from dloco import build, data, durable, export, model, outer
 from dloco.config import ConfigError, LearnerGroup, RunConfig, from_dict
 from dloco.fragments import flatten, partition
+from dloco.services import shards
 
 FINGERPRINT_FILE, CONFIG_FILE = "fingerprint.json", "config.json"
 FORMAT, _GIB = 1, 1024**3
@@ -66,7 +67,7 @@ def check(cfg: RunConfig, run_dir: str | os.PathLike, resume: bool = False, *, l
     """Checks everything about the run that needs no Ray, writing nothing; raises `PreflightError`. `local`:
     the learners run on this machine, so their memory is checked here; `progress`: as the corpus is prepared."""
     path = Path(run_dir)
-    _check_run_dir(path, resume)
+    _check_run_dir(path, resume, cfg.syncer.shards)
     check_data(cfg, corpus := _corpus(cfg, progress))
     check_memory(cfg, fp := fingerprint(cfg, corpus), local)
     if cfg.model.init_from and not resume:  # readable, and of this model (ValueError, OSError: one line)
@@ -96,7 +97,7 @@ def _write_json(path: Path, value: Any) -> None:
 
 
 # ---- the run directory -------------------------------------------------------------------------
-def _check_run_dir(run_dir: Path, resume: bool) -> None:
+def _check_run_dir(run_dir: Path, resume: bool, n: int = 1) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise PreflightError(f"run dir {run_dir} is a file, not a directory: pass another --run-dir")
     again = "check --run-dir, or drop --resume to start a fresh run"
@@ -112,8 +113,10 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
             f"run dir {run_dir} already holds a run: pass --resume to continue it or another --run-dir"
         )
     _check_writable(run_dir)
-    if resume:
-        _check_unlocked(run_dir)
+    if resume and (problem := shards.layout_problem(run_dir, n)):
+        raise PreflightError(problem)
+    for s in range(n if resume else 0):
+        _check_unlocked(run_dir, shards.store_root(run_dir, s, n))
 
 
 def _check_writable(run_dir: Path) -> None:
@@ -134,10 +137,10 @@ def _check_writable(run_dir: Path) -> None:
         ) from None
 
 
-def _check_unlocked(run_dir: Path) -> None:
-    """A store still running in `run_dir` holds ``store/LOCK`` (`dloco.durable.RunDirLock.probe`,
-    which writes nothing)."""
-    lock = durable.RunDirLock(run_dir / "store")
+def _check_unlocked(run_dir: Path, root: Path) -> None:
+    """A store still running in `run_dir` holds ``LOCK`` in its directory `root`
+    (`dloco.durable.RunDirLock.probe`, which writes nothing)."""
+    lock = durable.RunDirLock(root)
     holder = lock.probe()
     if holder is not None:
         who = json.dumps(holder) if holder else "unknown"  # the holder's pid and host

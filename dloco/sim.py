@@ -8,6 +8,9 @@ step takes ``step_times[m]`` virtual seconds (default: its group's slowdown × b
 seeded draws as a Ray run); a commit's round trip to the store and an update's way to a learner
 each take ``sync_time`` virtual seconds.
 
+With `syncer.shards` S > 1 there are S store and syncer services (`dloco.services.shards`), and the
+learners reach them through `ShardedStore` and `ShardedSyncer`.
+
 Faults are events on the same clock (`Sim.kill_learner`, `kill_syncer`, `kill_store`, `freeze`):
 a killed learner's payloads and in-flight updates are lost and it registers again `restart_s`
 later; a killed syncer forgets its pending rounds and is rebuilt from the store at once; a killed
@@ -22,12 +25,13 @@ import heapq
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 
 from dloco import build, chaos, events, inner
-from dloco.config import RunConfig
+from dloco.config import BLOCKING_ALGORITHMS, RunConfig
+from dloco.services import shards
 from dloco.services.learner import LearnerService
 from dloco.services.store import StoreService
 from dloco.services.syncer import SyncerService
@@ -68,25 +72,25 @@ class SimTransport:
 
 
 class _StoreFor:
-    """A peer's handle on whichever store is current (a killed store is replaced at once)."""
+    """A peer's handle on whichever store (of shard `s`) is current (a killed store is replaced at once)."""
 
-    def __init__(self, sim: Sim, commit_time: float = 0.0) -> None:
-        self.sim, self.commit_time = sim, commit_time
+    def __init__(self, sim: Sim, commit_time: float = 0.0, s: int = 0) -> None:
+        self.sim, self.commit_time, self.s = sim, commit_time, s
 
     def __getattr__(self, name: str):
-        return getattr(self.sim.store_service, name)
+        return getattr(self.sim.stores[self.s], name)
 
     def commit(self, c):
         self.sim.clock.skew += self.commit_time  # the round trip takes this long
-        return self.sim.store_service.commit(c)
+        return self.sim.stores[self.s].commit(c)
 
 
 class _SyncerFor:
-    def __init__(self, sim: Sim) -> None:
-        self.sim = sim
+    def __init__(self, sim: Sim, s: int = 0) -> None:
+        self.sim, self.s = sim, s
 
     def push(self, meta, ref):
-        return self.sim.syncer_service.push(meta, ref)
+        return self.sim.syncers[self.s].push(meta, ref)
 
     def decisions(self) -> list:
         return []  # in process each push's decision is its return value
@@ -107,8 +111,8 @@ class Sim:
     dead: set[int] = field(default_factory=set)
     events: list[dict[str, Any]] = field(default_factory=list)
     bytes_down: list[int] = field(default_factory=list)  # per learner id, every incarnation
-    store_service: Any = None
-    syncer_service: Any = None
+    stores: list = field(default_factory=list)  # per shard (`syncer.shards`)
+    syncers: list = field(default_factory=list)
     services: dict[int, LearnerService] = field(default_factory=dict)
     next_done: dict[int, float | None] = field(default_factory=dict)
     duration: dict[int, float] = field(default_factory=dict)
@@ -132,13 +136,17 @@ class Sim:
         sim = cls(
             cfg, build.blueprint(cfg), Path(run_dir), step_times or default_step_times(cfg), sync_time, restart_s, mesh
         )
-        sim.store_service = StoreService(cfg, sim.run_dir, SimTransport(sim.dead), sim.clock)
+        n = cfg.syncer.shards
+        sim.stores = [StoreService(cfg, sim.run_dir, SimTransport(sim.dead), sim.clock, shard=s) for s in range(n)]
         sim.bytes_down = [0] * cfg.learners.count
         for m in range(cfg.learners.count):
             sim._spawn(m)
-        sim.syncer_service = SyncerService(cfg, _StoreFor(sim, sync_time), SimTransport(sim.dead), sim.clock)
+        sim.syncers = [sim._syncer(s) for s in range(n)]
         sim._collect()
         return sim
+
+    def _syncer(self, s: int) -> SyncerService:
+        return SyncerService(self.cfg, _StoreFor(self, self.sync_time, s), SimTransport(self.dead), self.clock, s)
 
     # ---- what tests and benchmarks read --------------------------------------------------------
     @property
@@ -146,19 +154,30 @@ class Sim:
         return self.clock.t
 
     @property
+    def store_service(self) -> StoreService:
+        return self.stores[0]
+
+    @property
+    def syncer_service(self) -> SyncerService:
+        return self.syncers[0]
+
+    @property
     def store(self):
-        return self.store_service.core
+        return self.stores[0].core
 
     @property
     def syncer(self):
-        return self.syncer_service.core
+        return self.syncers[0].core
 
     @property
     def learners(self) -> list:
         return [self.services[m].core for m in sorted(self.services)]
 
     def global_params(self) -> dict:
-        return self.blueprint.plan.join([self.store.fragment(p)[1] for p in range(self.blueprint.plan.count)])
+        n = len(self.stores)
+        return self.blueprint.plan.join(
+            [self.stores[shards.owner(p, n)].core.fragment(p)[1] for p in range(self.blueprint.plan.count)]
+        )
 
     def evaluate(self) -> float:
         mesh = inner.make_mesh()
@@ -168,12 +187,15 @@ class Sim:
 
     # ---- faults -----------------------------------------------------------------------------
     def at(self, t: float, kind: str, arg: Any = None) -> None:
-        """Schedules a fault: ("kill_learner", m), ("freeze", (m, seconds)), ("kill_syncer"), ("kill_store")."""
+        """Schedules a fault: ("kill_learner", m), ("freeze", (m, seconds)), ("kill_syncer", shard),
+        ("kill_store", shard) (shard None: 0)."""
         heapq.heappush(self.faults, (t, self._seq, kind, arg))
         self._seq += 1
 
     def _fault(self, kind: str, arg: Any) -> None:
         target, skipped, duration = {"kill_syncer": "syncer", "kill_store": "store"}.get(kind, ""), None, None
+        s = (arg or 0) if kind in ("kill_syncer", "kill_store") else 0
+        target = shards.names(target, len(self.stores))[s] if target else target
         if kind == "kill_learner":
             target = f"learner-{arg}"
             svc = self.services.pop(arg, None)
@@ -188,17 +210,15 @@ class Sim:
             target = f"learner-{m}"
             self.frozen_until[m] = max(self.frozen_until.get(m, 0.0), self.now + duration)
         elif kind == "kill_syncer":
-            self.dead.add(id(self.syncer_service.transport))
-            self.syncer_service = SyncerService(
-                self.cfg, _StoreFor(self, self.sync_time), SimTransport(self.dead), self.clock
-            )
+            self.dead.add(id(self.syncers[s].transport))
+            self.syncers[s] = self._syncer(s)
         elif kind == "kill_store":
-            self.dead.add(id(self.store_service.transport))
-            self.store_service.close()  # as its process's death would: the new store takes the lock
-            self.store_service = StoreService(self.cfg, self.run_dir, SimTransport(self.dead), self.clock)
+            self.dead.add(id(self.stores[s].transport))
+            self.stores[s].close()  # as its process's death would: the new store takes the lock
+            self.stores[s] = StoreService(self.cfg, self.run_dir, SimTransport(self.dead), self.clock, shard=s)
             for m, svc in self.services.items():  # each learner's long poll fails and is sent again
                 in_transit = [u for _, mm, _, _, u in self.deliveries if mm == m]
-                self._mail(m, self.store_service.updates(m, svc.incarnation, svc.known(in_transit)))
+                self._mail(m, self.stores[s].updates(m, svc.incarnation, svc.known(in_transit)))
         else:
             raise ValueError(f"unknown fault {kind!r}")
         fault = events.Fault(
@@ -213,9 +233,12 @@ class Sim:
 
     # ---- the loop ---------------------------------------------------------------------------
     def _spawn(self, m: int) -> None:
-        svc = LearnerService(
-            self.cfg, m, _StoreFor(self), _SyncerFor(self), SimTransport(self.dead), self.clock, self.mesh
-        )
+        n, store, syncer = len(self.stores), cast(Any, _StoreFor(self)), cast(Any, _SyncerFor(self))
+        if n > 1:
+            blocking = self.cfg.algorithm in BLOCKING_ALGORITHMS and self.blueprint.plan.count > 1
+            store = shards.ShardedStore([_StoreFor(self, 0.0, s) for s in range(n)], blocking)
+            syncer = shards.ShardedSyncer([_SyncerFor(self, s) for s in range(n)])
+        svc = LearnerService(self.cfg, m, store, syncer, SimTransport(self.dead), self.clock, self.mesh)
         self.services[m] = svc
         self.duration[m] = self._step_time(m)
         self.next_done[m] = self.now + self.duration[m]
@@ -231,19 +254,22 @@ class Sim:
             self._seq += 1
 
     def _collect(self) -> None:
-        for svc in (self.store_service, self.syncer_service, *self.services.values()):
+        for svc in (*self.stores, *self.syncers, *self.services.values()):
             if svc is not None:
                 # every event is checked against its schema (`dloco.events.parse`) as it arrives
                 self.events.extend(events.parse({**e, "time": self.now}).to_dict() for e in svc.drain_events())
 
     def _close_due(self) -> float | None:
-        wait = self.syncer_service.run_due()
-        self.clock.skew = 0.0
-        for m in self.services:
-            if self.store_service.has_mail(m):
-                self._mail(m, self.store_service.updates(m, self.services[m].incarnation, []))
+        waits = []
+        for syncer in self.syncers:  # shards commit side by side: each one's round trips from now
+            waits.append(syncer.run_due())
+            self.clock.skew = 0.0
+        for store in self.stores:
+            for m in self.services:
+                if store.has_mail(m):
+                    self._mail(m, store.updates(m, self.services[m].incarnation, []))
         self._collect()
-        return wait
+        return min((w for w in waits if w is not None), default=None)
 
     def _deliver(self) -> None:
         while self.deliveries and self.deliveries[0][0] <= self.now:
@@ -266,11 +292,12 @@ class Sim:
             times = [t for m, t in self.next_done.items() if t is not None and m in active]
             if self.deliveries:
                 times.append(self.deliveries[0][0])
-            due, wait = self.syncer_service.core.ready(self.now, live_learners=len(self.syncer_service.core.registry))
-            if due:
-                times.append(self.now)
-            if wait is not None:
-                times.append(self.now + wait)
+            for syncer in self.syncers:
+                due, wait = syncer.core.ready(self.now, live_learners=len(syncer.core.registry))
+                if due:
+                    times.append(self.now)
+                if wait is not None:
+                    times.append(self.now + wait)
             if active or self.restarts:
                 times += [t for t, _ in self.restarts]
                 times += [t for t, *_ in self.faults[:1]]

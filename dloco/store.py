@@ -139,6 +139,8 @@ class StoreCore:
       keep: snapshots kept.
       lock_wait_s: wait this long for the directory's lock (a predecessor may be exiting), then `RunDirLocked`.
       mirror: the URI copy of `root`, opened here (`dloco.mirror.StaleStoreDir` if `root` is older).
+      owned: the fragments this store holds (a shard's, `dloco.services.shards`); the others stay
+        empty at version 0. None: all.
     """
 
     def __init__(
@@ -150,8 +152,10 @@ class StoreCore:
         keep: int = 3,
         lock_wait_s: float = 10.0,
         mirror: Mirror | None = None,
+        owned: list[int] | None = None,
     ) -> None:
         self.root, self.mirror = Path(root), mirror
+        self.owned = list(range(len(initial))) if owned is None else list(owned)
         durable.mkdir(self.root)
         self._lock = durable.RunDirLock(self.root)
         self._lock.acquire(lock_wait_s)
@@ -218,12 +222,14 @@ class StoreCore:
 
     def merged_cursor(self, learner_id: int) -> tuple[dict | None, int]:
         """Where the learner resumes: `dloco.ledger.merged_cursor` over the fragments' ledgers."""
-        return merged_cursor([f.ledger for f in self.fragments], learner_id)
+        return merged_cursor([self.fragments[p].ledger for p in self.owned], learner_id)
 
     # ---- writes ------------------------------------------------------------------------------
-    def register(self, learner_id: int) -> Registration:
-        """A learner (re)starts: new incarnation, resume point from the ledger (§4)."""
-        registry = {**self.registry, learner_id: self.registry.get(learner_id, 0) + 1}
+    def register(self, learner_id: int, incarnation: int | None = None) -> Registration:
+        """A learner (re)starts: new incarnation (or `incarnation`, another shard's, unless this
+        store knows a newer one), resume point from the ledger (§4)."""
+        known = self.registry.get(learner_id, 0)
+        registry = {**self.registry, learner_id: known + 1 if incarnation is None else max(known, incarnation)}
         self._save_registry(registry, self.retired - {learner_id})  # durable before it changes
         self.registry, self.retired = registry, self.retired - {learner_id}
         cursor, step = self.merged_cursor(learner_id)

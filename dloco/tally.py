@@ -268,6 +268,7 @@ def summarize(
         "bytes_down": sum(s["bytes_in"] for s in statuses.values()),
         "versions": store["versions"],
         "copies": store.get("copies"),  # the store's per-learner copies: bytes held, peak, limit, dropped
+        "store_shards": store.get("shards"),  # with syncer.shards > 1: each shard's summary
         "placement": {m: s.get("node") for m, s in sorted(statuses.items())},
         "wall_time_s": end - tally.start,
         "run_dir": run_dir,

@@ -38,14 +38,14 @@ def tiny_run(data_cache):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster for one test module (4 CPUs, an ``evaluator`` resource, 512 MiB object
-    store, loopback only)."""
+    """A local Ray cluster for one test module (4 CPUs, an ``evaluator`` resource, two region
+    resources for store/syncer shards, 512 MiB object store, loopback only)."""
     import ray
 
     ray.init(
         address="local",
         num_cpus=4,
-        resources={"evaluator": 1},
+        resources={"evaluator": 1, "region_a": 1, "region_b": 1},
         include_dashboard=False,
         object_store_memory=512 * 1024**2,
         log_to_driver=False,

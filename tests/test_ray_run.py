@@ -112,6 +112,41 @@ def test_killed_store_with_its_disk_lost_restores_from_its_mirror_without_losing
         h.stop()
 
 
+def test_two_shards_one_killed_restores_alone_and_the_other_merges_on(ray_cluster, cfg_for, tmp_path):
+    """syncer.shards=2, each pair placed by its region resource: store-1 and syncer-1 killed, shard 1
+    restores its fragments (1, 3) from its own directory with no version lost, shard 0 merges
+    through the outage, no learner restarts, and the weights read back from disk are the run's."""
+    from actors.launch import start
+    from dloco import export
+
+    where = ("fragments.count=4", "syncer.shards=2", "syncer.shard_resources=[region_a, region_b]")
+    h = start(cfg_for("learners.count=2", "budget.seconds=600", *where), run_dir=tmp_path)
+    try:
+        assert [ray.get(a.ping.remote()) for a in (*h.stores, *h.syncers)] == [True] * 4
+        assert ray.available_resources().get("region_a", 0) < 1 and ray.available_resources().get("region_b", 0) < 1
+        wait_for(lambda: {e["fragment"] for e in merges(h)} == {0, 1, 2, 3} and len(merges(h)) >= 8)
+        before = ray.get(h.stores[1].summary.remote())["versions"]
+        killed_at = time.time()
+        h.kill_store(1)
+        h.kill_syncer(1)
+        back = wait_for(lambda: [e for e in h.metrics("store_start") if e["time"] > killed_at], timeout=120)[0]
+        assert back["restored_from"] and back["versions"][0::2] == [0, 0]  # shard 1's own fragments only
+        assert all(a >= b for a, b in zip(back["versions"], before, strict=True)), (before, back["versions"])
+        during = [e["fragment"] for e in merges(h, killed_at + 0.5) if e["time"] < back["time"]]
+        assert set(during) <= {0, 2}  # shard 0 went on merging while shard 1 was down
+        wait_for(lambda: {1, 3} <= {e["fragment"] for e in merges(h, back["time"])})
+        first = {e["fragment"]: e["version"] for e in reversed(merges(h, back["time"])) if e["fragment"] in (1, 3)}
+        assert all(first[p] > back["versions"][p] for p in (1, 3))
+        assert not h.metrics("learner_restart")
+        assert [e["target"] for e in h.metrics("fault")] == ["store-1", "syncer-1"]
+    finally:
+        summary = h.stop()
+    assert summary is not None and summary["error"] is None
+    read = export.read_run(tmp_path)
+    assert read.versions == summary["versions"] and min(read.versions) > 0
+    assert len(summary["store_shards"]) == 2
+
+
 def test_killed_syncer_is_rebuilt_from_the_store_and_merging_resumes(ray_cluster, cfg_for, tmp_path):
     """Also the evaluator actor, placed by its resource (the driver holds no model): killed, it
     restarts and the run's evaluations go on; its loss is the model's on the run's validation batches."""

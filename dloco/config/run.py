@@ -96,6 +96,7 @@ class RunConfig:
         _check(P <= H, "fragments.count", P, f"must be <= sync.every={H} (1 <= P <= H)")
         _check(H % P == 0, "sync.every", H, f"must be a multiple of fragments.count={P} (H % P == 0)")
         _check(tau < H / P, "sync.overlap", tau, f"must be < sync.every / fragments.count = {H // P} (τ < H/P)")
+        _check(self.syncer.shards <= P, "syncer.shards", self.syncer.shards, f"must be <= fragments.count={P}")
         K, M = self.syncer.quorum, self.learners.count
         _check(K <= M, "syncer.quorum", K, f"must be <= learners.count={M} (K <= M)")
         _check(

@@ -222,7 +222,13 @@ class SyncConfig:
 
 @dataclass(frozen=True)
 class SyncerConfig:
-    """Quorum K, grace factor γ, grace cap (in steps) and contribution checks."""
+    """Quorum K, grace factor γ, grace cap (in steps) and contribution checks.
+
+    `shards` S: the fragments are split over S syncer/store pairs (fragment p to shard p mod S),
+    each with its own commit log, snapshots and process; `shard_resources`, one Ray custom resource
+    name per shard (e.g. a region's), places each pair on a node that has it (empty: all on the
+    driver's node).
+    """
 
     quorum: int = 1
     grace_factor: float = 0.5
@@ -232,6 +238,8 @@ class SyncerConfig:
     norm_warmup: int = 8  # 0: no warm-up bound; a fragment's first push is then checked at commit only
     ema_decay: float = 0.9
     elastic_timeout_s: float = 2.0  # elastic_dp: wait this long for a missing learner, then drop it
+    shards: int = 1  # syncer/store pairs, each owning fragments p with p mod shards = its index
+    shard_resources: tuple[str, ...] = ()  # one Ray custom resource per shard pair (empty: the driver's node)
 
     def __post_init__(self) -> None:
         _finite("syncer", self)
@@ -246,6 +254,14 @@ class SyncerConfig:
             f"must be in [0, {NORM_WINDOW}] (the outlier check's median is over the last {NORM_WINDOW} norms)",
         )
         _check(0 <= self.ema_decay < 1, "syncer.ema_decay", self.ema_decay, "must be in [0, 1)")
+        _check(self.shards >= 1, "syncer.shards", self.shards, "must be >= 1 (1: one syncer and one store)")
+        n = len(self.shard_resources)
+        _check(
+            n in (0, self.shards),
+            "syncer.shard_resources",
+            list(self.shard_resources),
+            f"must name one Ray resource per shard ({self.shards}) or none",
+        )
 
 
 @dataclass(frozen=True)

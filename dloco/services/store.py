@@ -28,6 +28,7 @@ from typing import Any
 from dloco import build, events, publish
 from dloco.config import BLOCKING_ALGORITHMS, RunConfig
 from dloco.mirror import Mirror
+from dloco.services import shards
 from dloco.services.wire import Clock, Transport, Update
 from dloco.store import Commit, CommitResult, Registration, StoreCore
 
@@ -42,20 +43,34 @@ class _Session:
 
 class StoreService:
     def __init__(
-        self, cfg: RunConfig, run_dir: str | Path, transport: Transport, clock: Clock, lock_wait_s: float = 10.0
+        self,
+        cfg: RunConfig,
+        run_dir: str | Path,
+        transport: Transport,
+        clock: Clock,
+        lock_wait_s: float = 10.0,
+        shard: int = 0,
     ) -> None:
-        """Restores the store from ``run_dir/store``; `RunDirLocked` if another store has it open
-        (after waiting `lock_wait_s` for it to go: a predecessor process may still be exiting)."""
+        """Restores the store (shard `shard` of `syncer.shards`: `dloco.services.shards`) from its
+        directory; `RunDirLocked` if another store has it open (after waiting `lock_wait_s` for it
+        to go: a predecessor process may still be exiting), `ShardLayoutError` if the run dir's
+        store was written with another shard count."""
         self.cfg, self.transport, self.clock = cfg, transport, clock
-        bp = build.blueprint(cfg)
+        bp, n = build.blueprint(cfg), cfg.syncer.shards
+        if problem := shards.layout_problem(run_dir, n):
+            raise shards.ShardLayoutError(problem)
+        self.owned = shards.owned(bp.plan.count, n, shard)
+        mine = [p in self.owned for p in range(bp.plan.count)]
+        uri = cfg.store.mirror and (cfg.store.mirror if n == 1 else f"{cfg.store.mirror}/shard-{shard}-of-{n}")
         self.core = StoreCore(
-            Path(run_dir) / "store",
-            list(bp.initial),
-            build.initial_outer(cfg, bp),
+            shards.store_root(run_dir, shard, n),
+            [f if own else {} for f, own in zip(bp.initial, mine, strict=True)],
+            [s if own else [] for s, own in zip(build.initial_outer(cfg, bp), mine, strict=True)],
             cfg.store.snapshot_every,
             cfg.store.keep,
             lock_wait_s,
-            Mirror(cfg.store.mirror, cfg.store.mirror_lease_s) if cfg.store.mirror else None,
+            Mirror(uri, cfg.store.mirror_lease_s) if uri else None,
+            self.owned,
         )
         c = cfg.compression
         self.per_learner = cfg.learner.install == "own" and c.publish == "delta"
@@ -86,8 +101,10 @@ class StoreService:
         return None if e is None else int(e["step"])
 
     # ---- learners ----------------------------------------------------------------------------
-    def register(self, learner_id: int) -> Registration:
-        """A learner (re)starts: new incarnation; its session starts from the current versions.
+    def register(self, learner_id: int, incarnation: int | None = None, announce: bool = True) -> Registration:
+        """A learner (re)starts: new incarnation (or `incarnation`, which the shards agreed on:
+        `shards.ShardedStore`), logged as an event if `announce`; its session starts from the
+        current versions.
 
         A learner of a blocking algorithm with several fragments (streaming) resumes its step
         counter at the newest round any fragment completed, not at its own oldest merged push:
@@ -98,7 +115,7 @@ class StoreService:
         """
         with self.lock:
             try:
-                reg = self.core.register(learner_id)
+                reg = self.core.register(learner_id, incarnation)
             except OSError as oserr:  # the registry cannot be written: reported, and the learner retries
                 err = events.StoreError(time=self.clock.wall(), error=f"registering learner {learner_id}: {oserr!r}")
                 self.events.append(err.to_dict())
@@ -112,6 +129,8 @@ class StoreService:
                 list(self.core.versions),
                 [self._merged(p, learner_id) for p in range(self.count)],
             )
+            if not announce:
+                return reg
             kind = events.LearnerStart if reg.incarnation == 1 else events.LearnerRestart
             e = kind(
                 time=self.clock.wall(),
@@ -142,6 +161,8 @@ class StoreService:
             frs = [get(p) for p in range(self.count)]
             s = self.sessions.get(learner_id) if shadow and learner_id is not None else None
             for p, (v, values) in enumerate(frs):
+                if p not in self.owned:
+                    continue
                 if s is not None:
                     s.sent[p] = max(s.sent[p], v)
                 if shadow and learner_id is not None and self.per_learner:
@@ -171,7 +192,7 @@ class StoreService:
             if s is None or s.incarnation != incarnation:
                 s = self.sessions[learner_id] = _Session(incarnation, list(known), [None] * self.count)
                 self.copies.forget(learner_id)
-                for p in range(self.count):
+                for p in self.owned:
                     self._offer(learner_id, s, p, None)
             out, s.outbox = s.outbox, []
             return out

@@ -24,13 +24,16 @@ from typing import Any
 from dloco import build, events
 from dloco.config import RunConfig
 from dloco.policy import ContributionMeta, Decision, check_fields
+from dloco.services import shards
 from dloco.services.wire import Clock, PayloadLostError, StorePeer, Transport
 from dloco.syncer import SyncerCore, rejection
 
 
 class SyncerService:
-    def __init__(self, cfg: RunConfig, store: StorePeer, transport: Transport, clock: Clock) -> None:
+    def __init__(self, cfg: RunConfig, store: StorePeer, transport: Transport, clock: Clock, shard: int = 0) -> None:
+        """The syncer of shard `shard` (`dloco.services.shards`); `store` is that shard's store."""
         self.cfg, self.store, self.transport, self.clock = cfg, store, transport, clock
+        self.shard, self.shards = shard, cfg.syncer.shards
         bp = build.blueprint(cfg)
         frs, registry, shadows, merged, norms = store.syncer_state()
         self.core = SyncerCore(cfg, bp.plan, bp.embedding, frs, registry, shadows, merged, norms)
@@ -40,6 +43,10 @@ class SyncerService:
     def push(self, meta: ContributionMeta, ref: Any) -> Decision:
         """Accepts or rejects one contribution; `ref` is where the transport put its payload."""
         formed = check_fields(meta).accept  # a malformed push is rejected by `core.push`, touching nothing
+        if formed and self.shards > 1 and shards.owner(meta.fragment_id, self.shards) != self.shard:
+            d = Decision(False, f"fragment {meta.fragment_id} is not syncer shard {self.shard}'s")
+            self.events.append(rejection(meta, d.reason, self.clock.wall()))
+            return d
         if formed and self.core.registry.get(meta.learner_id) != meta.incarnation:
             registry = self.store.registry()  # a (re)started learner the syncer has not seen yet
             with self.lock:
