@@ -1,8 +1,10 @@
 """The commit path at scale: what one syncer/store shard pair spends per commit, against memcpy.
 
-One commit here merges N parameters (a fragment set of N fp32 parameters in 4 M-parameter tensors:
-a model of N parameters with ``fragments.count: 1``, or of N·P with P fragments) from M synthetic
-int4 contributions (block 128), as the syncer and the store do it:
+One commit here merges the N/S parameters one of S shards owns (`syncer.shards`; a fragment set of
+N/S fp32 parameters in 4 M-parameter tensors) from M synthetic int4 contributions (block 128), as
+that shard's syncer and store do it; the S shards are separate processes (on a cluster, separate
+hosts and disks) that commit side by side, so a model of N parameters sustains S times one shard's
+commit rate:
 
   memcpy    np.copyto of the N parameters, warm (best of --repeat): the machine's yardstick
   screen    each payload checked and its ‖δ‖ per tensor read from the int4 codes (no decode)
@@ -11,6 +13,7 @@ int4 contributions (block 128), as the syncer and the store do it:
             delayed over M: its state is the momentum and the delay buffer)
   publish   int4 encode of Θ_p − Θ̂_p (``compression.publish: delta``)
   wal       the store's commit-log file (Θ_p, s_p, Θ̂_p: 4 × N × 4 bytes): written, checksummed, fsynced
+  disk      the same number of bytes written and fsynced as one plain file: the disk's yardstick
   decoded   for comparison, the path before: every payload decoded to float32, its norms
             computed, then the merge (+ the same outer step)
 
@@ -22,10 +25,10 @@ it would in the actor). Roles: the syncer (packed path), the syncer on the decod
 (its fragments, outer state and shadow, and the log write). The arithmetic ratio is parameters
 merged per second by screen + merge + outer against parameters copied per second by a warm memcpy
 (goal ≥ 0.3). Commits/s sustained by one shard pair is 1 / (screen + merge + outer + publish +
-wal): M × that many contributions/s.
-Sharding (S > 1) is not built: every row is S = 1.
+wal): M × that many contributions/s, and S × M for the model. RSS is in multiples of the shard's
+part of the model (N/S × 4 bytes).
 
-Usage:  python benchmarks/syncer_scale.py [--params 1e8 3e8] [--learners 4 8] [--repeat 2] [--quick]
+Usage:  python benchmarks/syncer_scale.py [--params 1e8 3e8] [--learners 4 8] [--shards 1 2] [--repeat 2] [--quick]
 Writes  benchmarks/results/syncer_scale.json
 """
 
@@ -75,6 +78,17 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+def raw_write(path: Path, size: int) -> None:
+    """`size` bytes written and fsynced, in 16 MiB writes: the disk's yardstick for the log file."""
+    chunk = bytes(16 << 20)
+    with open(path, "wb") as fh:
+        for lo in range(0, size, len(chunk)):
+            fh.write(chunk[: min(len(chunk), size - lo)])
+        fh.flush()
+        os.fsync(fh.fileno())
+    path.unlink()
+
+
 def cell(role: str, n: int, m: int, repeat: int) -> dict:
     """One role's measurements for N = n parameters and M = m contributions (run in a child process)."""
     import jax.numpy as jnp
@@ -96,6 +110,7 @@ def cell(role: str, n: int, m: int, repeat: int) -> dict:
             path = Path(d) / "p000-v00000001.npz"
             out["wal_s"] = best(lambda: durable.write_npz(path, arrays, {"version": 1}), repeat)
             out["wal_bytes"] = path.stat().st_size
+            out["disk_s"] = best(lambda: raw_write(Path(d) / "raw", out["wal_bytes"]), repeat)
         out["peak_rss"] = peak_rss()
         return out
     # int4 contributions built packed (random codes, scales about 1e-3 / 7), as the syncer receives
@@ -104,8 +119,9 @@ def cell(role: str, n: int, m: int, repeat: int) -> dict:
     for _ in range(m):
         d = {}
         for k, v in theta.items():
-            codes = rng.integers(0, 256, v.size // 2, dtype=np.uint8)
-            scales = (rng.random(-(-v.size // BLOCK), dtype=np.float32) * np.float32(3e-4)).astype(np.float16)
+            blocks = -(-v.size // BLOCK)  # the last one zero-padded, as `compress.encode` pads it
+            codes = rng.integers(0, 256, blocks * BLOCK // 2, dtype=np.uint8)
+            scales = (rng.random(blocks, dtype=np.float32) * np.float32(3e-4)).astype(np.float16)
             d[k] = compress.Payload("int4", v.shape, codes, scales, BLOCK)
         payloads.append(d)
     weights = merge.token_weights([1000 * (i + 1) for i in range(m)], [10] * m)
@@ -152,28 +168,45 @@ def report(doc: dict) -> str:
         "",
         f"`python benchmarks/syncer_scale.py --repeat {doc['repeat']}` on {doc['cpus']} CPU cores: one commit "
         f"merges N fp32 parameters from M int4 contributions (block {doc['block']}); best of {doc['repeat']}, "
-        "seconds. *x memcpy*: parameters merged per second by screen + merge + outer against parameters "
-        "copied per second by a warm memcpy. *decoded*: merge + outer on the path before (each payload "
-        "decoded to float32 first). RSS: each role's peak in its own process, less its RSS with numpy and "
-        "JAX loaded, in multiples of the fp32 model (N × 4 bytes): the syncer's after screen + merge, and with "
-        "the outer step and publish (a commit). One shard pair (S = 1): sharding is not built.",
+        "seconds, per shard (each of the S shards merges N/S parameters, in its own processes). *x memcpy*: "
+        "parameters merged per second by screen + merge + outer against parameters copied per second by a "
+        "warm memcpy. *decoded*: merge + outer on the path before (each payload decoded to float32 first). "
+        "RSS: each role's peak in its own process, less its RSS with numpy and JAX loaded, in multiples of "
+        "the shard's fp32 parameters (N/S × 4 bytes): the syncer's after screen + merge, and with the outer "
+        "step and publish (a commit). *commits/s*: one shard's; *contributions/s*: all S shards', M × S × "
+        "commits/s.",
         "",
-        "| N | M | memcpy | screen | merge | outer | publish | wal | commit | x memcpy | decoded | "
+        "| N | S | M | memcpy | screen | merge | outer | publish | wal | commit | x memcpy | decoded | "
         "commits/s | contributions/s | RSS syncer: merge / commit | RSS decoded: merge / commit | RSS store |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         lines.append(
-            f"| {r['params'] / 1e6:.0f} M | {r['learners']} | {r['memcpy_s']:.3f} | {r['screen_s']:.3f} | "
-            f"{r['merge_s']:.3f} | {r['outer_s']:.3f} | {r['publish_s']:.3f} | {r['wal_s']:.3f} | "
+            f"| {r['params'] / 1e6:.0f} M | {r['shards']} | {r['learners']} | {r['memcpy_s']:.3f} | "
+            f"{r['screen_s']:.3f} | {r['merge_s']:.3f} | {r['outer_s']:.3f} | {r['publish_s']:.3f} | "
+            f"{r['wal_s']:.3f} | "
             f"{r['commit_s']:.3f} | {r['arith_ratio_to_memcpy']:.3f} | {num(r['decoded_merge_outer_s'], '.3f')} | "
             f"{r['commits_per_s']:.3f} | {r['contributions_per_s']:.2f} | {r['rss_syncer_merge_x_model']:.2f}× / "
             f"{r['rss_syncer_x_model']:.2f}× | {num(r['rss_decoded_merge_x_model'], '.2f', '×')} / "
             f"{num(r['rss_decoded_x_model'], '.2f', '×')} | {r['rss_store_x_model']:.2f}× |"
         )
+    stores = {(r["params"], r["shards"]): r for r in doc["rows"] if r.get("disk_s")}  # one store cell each
+    if stores:
+        rates = [
+            f"{r['params'] / 1e6:.0f} M, S = {r['shards']}: {r['wal_bytes'] / r['wal_s'] / 1e6:.0f} MB/s "
+            f"(plain: {r['wal_bytes'] / r['disk_s'] / 1e6:.0f} MB/s)"
+            for r in stores.values()
+        ]
+        lines += [
+            "",
+            "Where the commit's time goes: the log write, at the disk's speed. The log file (Θ_p, s_p, Θ̂_p: 4 × "
+            "N/S × 4 bytes) is written at " + "; ".join(rates) + ", against a plain fsynced write of the same "
+            "bytes in parentheses. A shard writes only its own fragments, to its own disk on a cluster.",
+        ]
     for r in doc["rows"]:
         if r.get("decoded_error"):
-            lines += ["", f"Decoded path at {r['params'] / 1e6:.0f} M, M = {r['learners']}: {r['decoded_error']}."]
+            where = f"{r['params'] / 1e6:.0f} M, S = {r['shards']}, M = {r['learners']}"
+            lines += ["", f"Decoded path at {where}: {r['decoded_error']}."]
     return "\n".join(lines)
 
 
@@ -196,6 +229,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, nargs="+", default=[1e8, 3e8])
     ap.add_argument("--learners", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--shards", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="2 M parameters, M = 2 and 4 (a check that it runs)")
     ap.add_argument("--out", default="benchmarks/results/syncer_scale.json")
@@ -207,22 +241,27 @@ def main() -> None:
         return
     params, learners = ([2e6], [2, 4]) if args.quick else (args.params, args.learners)
     rows = []
-    for n in (int(p) for p in params):
-        store = run_cell("store", n, 1, args.repeat)
+    for n, shards in ((int(p), s) for p in params for s in args.shards):
+        part = n // shards  # what one shard merges and holds
+        store = run_cell("store", part, 1, args.repeat)
         for m in learners:
-            s, dec = run_cell("syncer", n, m, args.repeat), run_cell("decoded", n, m, args.repeat)
-            model = 4 * n
+            s, dec = run_cell("syncer", part, m, args.repeat), run_cell("decoded", part, m, args.repeat)
+            model = 4 * part
             arith = s["screen_s"] + s["merge_s"] + s["outer_s"]
             commit = arith + s["publish_s"] + store["wal_s"]
             row = {
-                **{k: s[k] for k in ("params", "learners", "memcpy_s", "screen_s", "merge_s", "outer_s", "publish_s")},
+                "params": n,
+                "shard_params": part,
+                **{k: s[k] for k in ("learners", "memcpy_s", "screen_s", "merge_s", "outer_s", "publish_s")},
                 "wal_s": store["wal_s"],
+                "wal_bytes": store["wal_bytes"],
+                "disk_s": store["disk_s"],
                 "commit_s": commit,
                 "arith_ratio_to_memcpy": s["memcpy_s"] / arith,
                 "decoded_merge_outer_s": None if "error" in dec else dec["decoded_s"] + dec["outer_s"],
                 "decoded_error": dec.get("error"),
                 "commits_per_s": 1 / commit,
-                "contributions_per_s": m / commit,
+                "contributions_per_s": shards * m / commit,
                 "rss_syncer_x_model": (s["peak_rss"] - s["base_rss"]) / model,
                 "rss_syncer_merge_x_model": (s["merge_peak_rss"] - s["base_rss"]) / model,
                 "rss_decoded_merge_x_model": None
@@ -230,10 +269,10 @@ def main() -> None:
                 else (dec["merge_peak_rss"] - dec["base_rss"]) / model,
                 "rss_decoded_x_model": None if "error" in dec else (dec["peak_rss"] - dec["base_rss"]) / model,
                 "rss_store_x_model": (store["peak_rss"] - store["base_rss"]) / model,
-                "shards": 1,
+                "shards": shards,
             }
             rows.append(row)
-            print(f"{n / 1e6:.0f} M parameters, M = {m}: commit {commit:.3f} s", flush=True)
+            print(f"{n / 1e6:.0f} M parameters, S = {shards}, M = {m}: commit {commit:.3f} s", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "repeat": args.repeat}

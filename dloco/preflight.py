@@ -2,16 +2,15 @@
 
 `actors.launch.start` runs `check` (no writes: run directory, corpus, data windows, vocabulary,
 model and fragment plan, memory, resume rules), connects to Ray, runs `check_resources` (each
-learner group fits on a node) and `check_devices`, then `record` (creates the run directory, writes
-config and fingerprint), and only then starts the actors. A failed check raises `PreflightError`:
-one line naming the field or file and the fix; nothing is on disk but the corpus cache.
+learner group and store shard fits on a node) and `check_devices`, then `record` (creates the run
+directory, writes config and fingerprint), and only then starts the actors. A failed check raises
+`PreflightError`: one line naming the field or file and the fix; nothing is on disk but the corpus cache.
 
 ``fingerprint.json``, written by a run's first start, holds what its durable state depends on:
-algorithm, fragment plan (names, shapes), parameter count, learner ids, outer-state layout,
-tokenizer and vocabulary, data key (`build.corpus`'s cache key, window length, shard count).
-`--resume` refuses a config whose fingerprint differs, naming the first difference; budget, metrics
-cadence, chaos and timings may change. A resumed run writes its config to ``config-resume-N.json``
-(N = 1, 2, ...), never over the run's ``config.json``.
+algorithm, fragment plan (names, shapes), parameter count, learner ids, outer-state layout, tokenizer
+and vocabulary, data key (`build.corpus`'s cache key, window length, shard count). `--resume`
+refuses a config whose fingerprint differs, naming the first difference; budget, metrics cadence,
+chaos and timings may change. A resumed run writes ``config-resume-N.json``, never ``config.json``.
 """
 
 from __future__ import annotations
@@ -138,8 +137,7 @@ def _check_writable(run_dir: Path) -> None:
 
 
 def _check_unlocked(run_dir: Path, root: Path) -> None:
-    """A store still running in `run_dir` holds ``LOCK`` in its directory `root`
-    (`dloco.durable.RunDirLock.probe`, which writes nothing)."""
+    """A store still running in `run_dir` holds ``LOCK`` in its directory `root` (`RunDirLock.probe`: no writes)."""
     lock = durable.RunDirLock(root)
     holder = lock.probe()
     if holder is not None:
@@ -367,13 +365,16 @@ def _field(cfg: RunConfig, g: LearnerGroup, resource: str) -> str:
 
 
 def check_resources(cfg: RunConfig, nodes: Sequence[Mapping[str, Any]]) -> None:
-    """Raises `PreflightError` unless every learner group fits on some live node and all learners fit
-    in the cluster's totals (else they wait forever); `nodes` is ``ray.nodes()``."""
+    """Raises `PreflightError` unless every learner group and store shard fits on some live node and all
+    learners fit in the cluster's totals (else they wait forever); `nodes` is ``ray.nodes()``."""
     alive = [dict(n.get("Resources") or {}) for n in nodes if n.get("Alive", True)]
     if not alive:
         raise PreflightError("the Ray cluster has no live node: check the cluster with `ray status`")
-    wanted: dict[str, float] = {}
-    checked: set[str] = set()
+    lost = [(s, k) for s, k in enumerate(cfg.syncer.shard_resources) if not any(r.get(k, 0) >= 1e-3 for r in alive)]
+    if lost:
+        where = f"syncer.shard_resources[{lost[0][0]}]={lost[0][1]!r}: no node of the Ray cluster has it"
+        raise PreflightError(f"{where}, so that store shard would wait forever: name a resource some node has")
+    wanted, checked = dict[str, float](), set[str]()
     for g in cfg.learners.expand():
         need = _needs(g)
         for k, v in need.items():

@@ -152,15 +152,17 @@ def test_syncer_scale_quick_writes_a_row_per_cell_and_its_section(tmp_path):
     out = tmp_path / "syncer_scale.json"
     run_script("syncer_scale.py", "--quick", "--repeat", "1", "--out", str(out))
     d = json.loads(out.read_text())
-    assert [(r["params"], r["learners"]) for r in d["rows"]] == [(2_000_000, 2), (2_000_000, 4)]
+    cells = [(r["params"], r["shards"], r["learners"], r["shard_params"]) for r in d["rows"]]
+    assert cells == [(2_000_000, 1, 2, 2_000_000), (2_000_000, 1, 4, 2_000_000), (2_000_000, 2, 2, 1_000_000),
+                     (2_000_000, 2, 4, 1_000_000)]  # fmt: skip
     for r in d["rows"]:
         parts = r["screen_s"] + r["merge_s"] + r["outer_s"] + r["publish_s"] + r["wal_s"]
         assert r["commit_s"] == pytest.approx(parts) and r["commits_per_s"] == pytest.approx(1 / parts)
-        assert r["contributions_per_s"] == pytest.approx(r["learners"] / parts) and r["shards"] == 1
+        assert r["contributions_per_s"] == pytest.approx(r["shards"] * r["learners"] / parts)
         assert r["arith_ratio_to_memcpy"] > 0 and r["rss_syncer_x_model"] > 0 and r["rss_store_x_model"] > 0
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import syncer_scale
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    assert "| 2 M | 4 |" in syncer_scale.report(d)
+    assert "| 2 M | 1 | 4 |" in syncer_scale.report(d) and "| 2 M | 2 | 4 |" in syncer_scale.report(d)

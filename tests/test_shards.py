@@ -136,3 +136,16 @@ def test_a_run_dir_of_another_shard_count_is_refused(tmp_path):
     with pytest.raises(preflight.PreflightError, match="syncer.shards=2, not 3"):
         preflight._check_run_dir(tmp_path, resume=True, n=3)
     preflight._check_run_dir(tmp_path, resume=True, n=2)  # its own count resumes
+
+
+def test_a_shard_resource_no_node_has_is_refused_before_anything_starts():
+    cfg = config(2, syncer={"shard_resources": ["region_a", "region_b"]})
+    up = {"Alive": True, "Resources": {"CPU": 8.0, "region_a": 1.0}}
+    nodes = [up, {"Alive": False, "Resources": {"region_b": 1.0}}]
+    with pytest.raises(preflight.PreflightError) as e:
+        preflight.check_resources(cfg, nodes)
+    assert str(e.value) == (
+        "syncer.shard_resources[1]='region_b': no node of the Ray cluster has it, so that store shard would "
+        "wait forever: name a resource some node has"
+    )
+    preflight.check_resources(cfg, [{**up, "Resources": {"CPU": 8.0, "region_a": 1.0, "region_b": 1.0}}])
