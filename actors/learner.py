@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import CancelledError, Future
 from typing import NoReturn
 
 import ray
@@ -88,7 +89,7 @@ class Learner:
         }
         self._stop = threading.Event()
         self._ready = threading.Event()  # set once it holds an identity (at once, unless a spare)
-        self._polls: dict[int, ray.ObjectRef] = {}  # shard → its store's long poll
+        self._polls: dict[int, tuple[ray.ObjectRef, Future]] = {}  # shard → its store's long poll
         self._fetching: dict[int, ray.ObjectRef] = {}  # fragment → a catch-up fetch in flight
         self._notice: float | None = None  # when SIGTERM came (monotonic)
         self._running = False
@@ -215,25 +216,28 @@ class Learner:
 
     def _check_mail(self, block: bool, timeout: float = 1.0) -> None:
         """Takes the long polls' answers that have come (with `block`, waits up to `timeout` for
-        one) and sends the next polls; hands over the updates whose emulated transfer is over."""
+        one) and sends the next polls; hands over the updates whose emulated transfer is over.
+        Whether a poll has answered is its future's flag, which Ray sets: no Ray call per step."""
         polls = {s: self._polls.get(s) or self._send_poll(s) for s in range(len(self.stores))}
-        ready = set(ray.wait(list(polls.values()), timeout=timeout if block else 0)[0])
-        for s, poll in polls.items():
-            if poll not in ready:
+        if block and not any(f.done() for _, f in polls.values()):
+            ray.wait([r for r, _ in polls.values()], timeout=timeout)
+        for s, (_, fut) in polls.items():
+            if not fut.done():
                 continue
             try:
-                updates = ray.get(poll)
+                updates = fut.result()
                 del self._polls[s]
-            except RayError:  # the store restarted: ask the new one at once (it opens a session from `known`)
+            except (RayError, CancelledError):  # the store restarted: ask the new one at once (a session from `known`)
                 updates = []
                 self._send_poll(s)
             now = time.monotonic()
             self._arriving.extend((now + self.latency, u) for u in updates)
         self._hand_over()
 
-    def _send_poll(self, s: int) -> ray.ObjectRef:
+    def _send_poll(self, s: int) -> tuple[ray.ObjectRef, Future]:
         known = self.service.known()  # (with what arrived and waits out its emulated latency)
-        self._polls[s] = self.stores[s].updates.remote(self.learner_id, self.service.incarnation, known)
+        ref = self.stores[s].updates.remote(self.learner_id, self.service.incarnation, known)
+        self._polls[s] = (ref, ref.future())
         return self._polls[s]
 
     def _catch_up(self) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import threading
 import time
 from collections import deque
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
 import ray
@@ -57,7 +58,7 @@ class SyncerHandle:
 
     def __init__(self, actor, latency: float = 0.0) -> None:
         self.actor, self.latency = actor, latency
-        self._pending: deque[tuple[Any, ray.ObjectRef]] = deque()  # (meta, ref of its Decision)
+        self._pending: deque[tuple[Any, Future]] = deque()  # (meta, future of its Decision)
         self._lock = threading.Lock()  # pushes are announced from timer threads under latency
 
     def push(self, meta, ref) -> None:
@@ -68,23 +69,18 @@ class SyncerHandle:
 
     def _announce(self, meta, ref) -> None:
         # in a list: the syncer gets the ref, not the payload
-        decision = self.actor.push.remote(meta, [ref])
+        decision = self.actor.push.remote(meta, [ref]).future()  # done: set by Ray, read without a call
         with self._lock:
             self._pending.append((meta, decision))
 
     def decisions(self) -> list[tuple[Any, Any]]:
         with self._lock:
-            pending = list(self._pending)
-        if not pending:
-            return []
-        ready = set(ray.wait([r for _, r in pending], num_returns=len(pending), timeout=0)[0])
-        if not ready:
-            return []
-        with self._lock:
-            self._pending = deque(x for x in self._pending if x[1] not in ready)
+            done = [x for x in self._pending if x[1].done()]
+            if done:
+                taken = {id(x) for x in done}
+                self._pending = deque(x for x in self._pending if id(x) not in taken)
         out = []
-        for meta, r in pending:
-            if r in ready:
-                with contextlib.suppress(RayError):  # the syncer restarted meanwhile: as if lost
-                    out.append((meta, ray.get(r)))
+        for meta, fut in done:
+            with contextlib.suppress(RayError, CancelledError):  # the syncer restarted meanwhile: as if lost
+                out.append((meta, fut.result()))
         return out

@@ -219,10 +219,11 @@ def quarantine(root: str | os.PathLike, path: str | os.PathLike, reason: str) ->
 
 
 def mkdir(d: str | os.PathLike) -> None:
-    """Creates `d` (and parents) durably: its entry in the parent directory is fsynced."""
+    """Creates `d` (and missing parents) durably: each new entry in its parent directory is fsynced."""
     d = Path(d)
     if not d.is_dir():
-        d.mkdir(parents=True, exist_ok=True)
+        mkdir(d.parent)
+        d.mkdir(exist_ok=True)
         fsync_dir(d.parent)
 
 

@@ -38,17 +38,23 @@ def run(tmp_path, n: int, faults=(), **over) -> Sim:
     return sim.run(STEPS)
 
 
+QUORUM = {"syncer": {"grace_factor": 0.0}, "store": {"snapshot_every": 4}}  # rounds close on quorum alone
+
+
+@pytest.fixture(scope="module")
+def quorum_pair(tmp_path_factory):
+    """The decoupled runs with S = 1 and S = 2 (shared by the tests that read them)."""
+    d = tmp_path_factory.mktemp("quorum")
+    return run(d, 1, **QUORUM), run(d, 2, **QUORUM)
+
+
 def merges(sim: Sim) -> list[tuple]:
     return [(e["fragment"], e["version"], tuple(e["contributors"])) for e in sim.events if e["event"] == "merge"]
 
 
-@pytest.mark.parametrize(
-    "over",
-    [{"syncer": {"grace_factor": 0.0}}, {"algorithm": "streaming"}],
-    ids=["decoupled-quorum", "streaming"],
-)
-def test_two_shards_merge_bit_identically_to_one(tmp_path, over):
-    one, two = run(tmp_path, 1, **over), run(tmp_path, 2, **over)
+@pytest.mark.parametrize("algorithm", ["decoupled", "streaming"])
+def test_two_shards_merge_bit_identically_to_one(tmp_path, quorum_pair, algorithm):
+    one, two = quorum_pair if algorithm == "decoupled" else (run(tmp_path, n, algorithm=algorithm) for n in (1, 2))
     a, b = jax.tree_util.tree_leaves(one.global_params()), jax.tree_util.tree_leaves(two.global_params())
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert merges(one) == merges(two) and len(merges(one)) >= 8
@@ -58,8 +64,8 @@ def test_two_shards_merge_bit_identically_to_one(tmp_path, over):
     assert [s.core.versions for s in two.stores][0][1::2] == [0, 0]  # shard 0 never holds fragments 1, 3
 
 
-def test_each_shard_directory_holds_only_its_fragments(tmp_path):
-    sim = run(tmp_path, 2, syncer={"grace_factor": 0.0}, store={"snapshot_every": 4})
+def test_each_shard_directory_holds_only_its_fragments(quorum_pair):
+    sim = quorum_pair[1]
     for s in (0, 1):
         root = shards.store_root(sim.run_dir, s, 2)
         assert root == sim.run_dir / "store" / f"shard-{s}-of-2"
