@@ -17,7 +17,7 @@ from actors import health
 from actors.store import FragmentStore
 from actors.syncer import Syncer
 from actors.transport import StoreHandle, SyncerHandle
-from dloco.config import BLOCKING_ALGORITHMS, RunConfig
+from dloco.config import RunConfig
 from dloco.services import shards
 
 
@@ -60,12 +60,7 @@ def actors(cfg: RunConfig, role: str, namespace: str | None) -> list:
 
 def handles(cfg: RunConfig, stores: list, syncers: list, latency: float = 0.0) -> tuple[Any, Any]:
     """A learner's (store, syncer) peers: the shard's handles for one shard, routers for several."""
-    store = [StoreHandle(a) for a in stores]
-    syncer = [SyncerHandle(a, latency) for a in syncers]
-    if len(stores) == 1:
-        return store[0], syncer[0]
-    blocking = cfg.algorithm in BLOCKING_ALGORITHMS and cfg.fragments.count > 1
-    return shards.ShardedStore(store, blocking), shards.ShardedSyncer(syncer)
+    return shards.peers(cfg, [StoreHandle(a) for a in stores], [SyncerHandle(a, latency) for a in syncers])
 
 
 def fragments(stores: list, timeout: float | None = None) -> tuple[list[int], list[Any]]:

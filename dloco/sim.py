@@ -25,12 +25,12 @@ import heapq
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import jax
 
 from dloco import build, chaos, events, inner
-from dloco.config import BLOCKING_ALGORITHMS, RunConfig
+from dloco.config import RunConfig
 from dloco.services import shards
 from dloco.services.learner import LearnerService
 from dloco.services.store import StoreService
@@ -233,11 +233,8 @@ class Sim:
 
     # ---- the loop ---------------------------------------------------------------------------
     def _spawn(self, m: int) -> None:
-        n, store, syncer = len(self.stores), cast(Any, _StoreFor(self)), cast(Any, _SyncerFor(self))
-        if n > 1:
-            blocking = self.cfg.algorithm in BLOCKING_ALGORITHMS and self.blueprint.plan.count > 1
-            store = shards.ShardedStore([_StoreFor(self, 0.0, s) for s in range(n)], blocking)
-            syncer = shards.ShardedSyncer([_SyncerFor(self, s) for s in range(n)])
+        n = range(len(self.stores))
+        store, syncer = shards.peers(self.cfg, [_StoreFor(self, 0.0, s) for s in n], [_SyncerFor(self, s) for s in n])
         svc = LearnerService(self.cfg, m, store, syncer, SimTransport(self.dead), self.clock, self.mesh)
         self.services[m] = svc
         self.duration[m] = self._step_time(m)

@@ -58,7 +58,7 @@ def test_two_shards_merge_bit_identically_to_one(tmp_path, quorum_pair, algorith
     a, b = jax.tree_util.tree_leaves(one.global_params()), jax.tree_util.tree_leaves(two.global_params())
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert merges(one) == merges(two) and len(merges(one)) >= 8
-    summary = shards.ShardedStore([s for s in two.stores]).summary()
+    summary = shards.ShardedStore(two.stores).summary()
     assert summary["versions"] == one.store.versions == [max(s.core.versions[p] for s in two.stores) for p in range(4)]
     assert summary["tokens_merged"] == one.store.tokens_merged()
     assert [s.core.versions for s in two.stores][0][1::2] == [0, 0]  # shard 0 never holds fragments 1, 3

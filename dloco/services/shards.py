@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dloco.config import BLOCKING_ALGORITHMS, RunConfig
 from dloco.ledger import cursor_key
 from dloco.store import Registration
 
@@ -95,6 +96,14 @@ def summary(shards: int, parts: Sequence[dict]) -> dict:
         "copies": [x.get("copies") for x in parts],
         "shards": list(parts),
     }
+
+
+def peers(cfg: RunConfig, stores: Sequence[Any], syncers: Sequence[Any]) -> tuple[Any, Any]:
+    """A learner's (store, syncer) peers over the shards' handles: the handles themselves for one shard."""
+    if len(stores) == 1:
+        return stores[0], syncers[0]
+    blocking = cfg.algorithm in BLOCKING_ALGORITHMS and cfg.fragments.count > 1
+    return ShardedStore(stores, blocking), ShardedSyncer(syncers)
 
 
 class ShardedStore:

@@ -45,7 +45,8 @@ class SyncerService:
         formed = check_fields(meta).accept  # a malformed push is rejected by `core.push`, touching nothing
         if formed and self.shards > 1 and shards.owner(meta.fragment_id, self.shards) != self.shard:
             d = Decision(False, f"fragment {meta.fragment_id} is not syncer shard {self.shard}'s")
-            self.events.append(rejection(meta, d.reason, self.clock.wall()))
+            with self.lock:
+                self.events.append(rejection(meta, d.reason, self.clock.wall()))
             return d
         if formed and self.core.registry.get(meta.learner_id) != meta.incarnation:
             registry = self.store.registry()  # a (re)started learner the syncer has not seen yet
