@@ -6,6 +6,11 @@ costs) and freezes — and hands every fault to `record` as a ``fault`` event wi
 whether it was carried out or skipped and why. Manual faults are logged the same way with
 ``source: manual``. It knows the run's actors only through the `actors` callable, so the driver
 stays the one owner of them.
+
+The schedule's clock starts when every learner of the run has registered once (its process up,
+the corpus mapped, the step compiled): a fault at ``at`` is carried out ``at`` seconds after that,
+however long the start took on this machine, so a seeded kill never lands on a learner still
+compiling and one schedule meets every algorithm in the same state. `up` is that moment.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ class FaultInjector:
         self.schedule = chaos.schedule(cfg.chaos, cfg.learners.count)
         self.started, self.actors, self.record = started, actors, record
         self.down: dict[int, float] = {}  # learner → time of the kill it has not yet come back from
+        self.up: float | None = None  # when every learner had registered once: the schedule's time 0
+        self._waiting = set(range(cfg.learners.count))  # learners not registered yet
+        self._up = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dloco-chaos", daemon=True)
 
@@ -42,10 +50,19 @@ class FaultInjector:
         # that arrives after it (store events are drained later) is not the learner coming back
         if e["event"] in ("learner_start", "learner_restart") and e["time"] >= self.down.get(e["learner"], math.inf):
             self.down.pop(e["learner"], None)
+        if e["event"] in ("learner_start", "learner_restart") and self._waiting:
+            self._waiting.discard(e["learner"])
+            if not self._waiting:
+                self.up = float(e["time"])
+                self._up.set()
 
     def _run(self) -> None:
+        while not self._up.wait(0.2):
+            if self._stop.is_set():
+                return
+        assert self.up is not None
         for f in self.schedule:
-            if self._stop.wait(max(0.0, self.started + f.at - time.time())):
+            if self._stop.wait(max(0.0, self.up + f.at - time.time())):
                 return
             self.fault(f.target, f.kind, f.duration, source="schedule", at=f.at)
 

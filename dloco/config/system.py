@@ -177,7 +177,8 @@ class ChaosConfig:
     """Seeded fault injection (ALGORITHM.md §10): the same `seed` gives the same schedule for every
     algorithm, so one schedule can be replayed against dp, elastic_dp, diloco, streaming and decoupled.
 
-    Times are seconds of run wall time (from the run's start). Per learner, failures (real process
+    Times are seconds of run wall time from the moment every learner first registered (on Ray: its
+    process up, its step compiled; in the simulator: the start). Per learner, failures (real process
     kills; Ray restarts the actor) arrive as a renewal process with Exponential(`mtbf_s`) gaps, and
     freezes (alive but silent for `freeze_s`) with Exponential(`freeze_mtbf_s`) gaps; none before
     `warmup_s`. `stragglers` learners (a seeded choice) run every step `straggler_factor` times
@@ -190,7 +191,7 @@ class ChaosConfig:
     mtbf_s: float = 0.0  # per-learner mean time between kills (real process kills)
     freeze_mtbf_s: float = 0.0  # per-learner mean time between freezes
     freeze_s: float = 5.0  # how long a freeze lasts
-    warmup_s: float = 0.0  # no learner fault before this time (the first compile)
+    warmup_s: float = 0.0  # no learner fault before this long after every learner is up
     stragglers: int = 0  # how many learners (a seeded choice) are slowed
     straggler_factor: float = 1.0  # a straggler's step takes this many times longer
     jitter: float = 0.0  # every step takes U(1, 1 + jitter) times longer, drawn per step
