@@ -135,7 +135,9 @@ def main() -> None:
     ap.add_argument("--learners", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=240.0, help="wall-time budget of every run")
     ap.add_argument("--mtbf", type=float, default=20.0, help="per-learner mean time between kills (s)")
-    ap.add_argument("--warmup", type=float, default=15.0, help="no fault before this many seconds after every learner is up")
+    ap.add_argument(
+        "--warmup", type=float, default=15.0, help="no fault before this many seconds after every learner is up"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--algorithms", default="dp,elastic_dp,decoupled,decoupled+spares")
     ap.add_argument("--no-reference", action="store_true", help="skip the failure-free decoupled run")
