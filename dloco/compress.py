@@ -229,7 +229,8 @@ def decode_range(p: Payload, lo: int, hi: int, out: np.ndarray, factor: float = 
 
 def sq_norm(p: Payload) -> float:
     """``‖decode(p)‖²`` (float64 accumulation) read from the codes, without decoding: for the integer
-    dtypes Σ_b s_b² Σ_i q_i² (a lookup table of Σ q² per byte). Non-finite when a scale or value is."""
+    dtypes Σ_b s_b² Σ_i q_i² (a lookup table of Σ q² per byte, one compiled pass: `dloco.kernels`).
+    Non-finite when a scale or value is."""
     flat = p.data.reshape(-1)
     total = 0.0
     if p.scales is None:
@@ -238,15 +239,9 @@ def sq_norm(p: Payload) -> float:
             x = decode_range(p, lo, min(lo + _CHUNK_VALUES, flat.size), buf)
             total += float(np.dot(x.astype(np.float64), x.astype(np.float64)))
         return total
-    lut, per_row = _SQ_LUT[p.dtype], p.block // _PER_BYTE[p.dtype]
-    codes = flat.reshape(-1, per_row)
-    s2 = np.square(p.scales.astype(np.float64))
-    rows = max(1, _CHUNK_VALUES // p.block)
-    with np.errstate(over="ignore", invalid="ignore"):
-        for i in range(0, codes.shape[0], rows):
-            q2 = np.take(lut, codes[i : i + rows].view(np.uint8)).sum(axis=1, dtype=np.uint64)
-            total += float(np.dot(q2.astype(np.float64), s2[i : i + rows]))
-    return total
+    from dloco import kernels  # numba: only the syncer's processes load it
+
+    return kernels.sq_norm(flat, p.scales, p.block, p.dtype, _SQ_LUT[p.dtype])
 
 
 def validate(p: object) -> Payload:

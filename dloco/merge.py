@@ -15,7 +15,9 @@ The loops run over cache-sized chunks and no full-size temporary is allocated. A
 be a `compress.Payload` as it arrived (int4, int8, …): its norm is read from the codes
 (`compress.sq_norm`) and each chunk is decoded, scaled by its coefficient and added in cache
 (`compress.decode_range`), so every packed input is read once per weighted sum and never expanded
-to a float32 copy of the fragment.
+to a float32 copy of the fragment. Payloads of one integer dtype (what a syncer receives) take the
+compiled kernel (`dloco.kernels.combine`): one pass over all contributions' codes per chunk, the
+same bits, with ‖Σ‖² computed on the way.
 """
 
 from __future__ import annotations
@@ -75,12 +77,35 @@ def _reader(x: Delta) -> Callable[[int, int, np.ndarray, float], np.ndarray]:
     return lambda lo, hi, buf, c: np.multiply(x[lo:hi], np.float32(c), out=buf[: hi - lo])
 
 
-def _combine(flats: list[Delta], coefs: Sequence[float] | np.ndarray) -> np.ndarray:
+def _combine(flats: list[Delta], coefs: Sequence[float] | np.ndarray) -> tuple[np.ndarray, float | None]:
+    """Σ_m coefs[m] · flats[m] (float32), and its squared norm where the compiled path computed it.
+
+    Payloads of one integer dtype and block (what a syncer receives) go through `dloco.kernels`:
+    one pass over every contribution's codes, the same bits as the chunked numpy path
+    (`_combine_chunks`), which takes everything else (float32 arrays, fp32 and bf16 payloads, a mix).
+    """
+    first = flats[0]
+    if isinstance(first, compress.Payload) and first.scales is not None:
+        kind = (first.dtype, first.block)
+        same = [f for f in flats if isinstance(f, compress.Payload) and (f.dtype, f.block) == kind]
+        if len(same) == len(flats):
+            from dloco import kernels  # numba: only the processes that merge load it
+
+            scales = [np.multiply(f.scales, np.float32(c), dtype=np.float32) for f, c in zip(same, coefs, strict=True)]  # type: ignore[arg-type]  # integer dtypes carry scales
+            return kernels.combine([f.data for f in same], scales, _size(first), first.block, first.dtype)
+    return _combine_chunks(flats, coefs), None
+
+
+def _size(x: Delta) -> int:
+    return int(np.prod(x.shape)) if isinstance(x, compress.Payload) else x.size
+
+
+def _combine_chunks(flats: list[Delta], coefs: Sequence[float] | np.ndarray) -> np.ndarray:
     """Σ_m coefs[m] · flats[m], float32, chunked (a payload's chunk decoded straight into the sum)."""
     blocks = [f.block for f in flats if isinstance(f, compress.Payload) and f.scales is not None]
     step = math.lcm(*blocks) if blocks else 1
     chunk = max(step, _CHUNK - _CHUNK % step)
-    n = int(np.prod(flats[0].shape)) if isinstance(flats[0], compress.Payload) else flats[0].size
+    n = _size(flats[0])
     out = np.empty(n + step, dtype=np.float32)  # + step: a payload's last chunk is decoded in whole blocks
     tmp = np.empty(min(n, chunk) + step, dtype=np.float32)
     readers = [_reader(f) for f in flats]
@@ -98,29 +123,32 @@ def _norm(x: Delta) -> float:
     return float(np.sqrt(float(np.dot(x, x))))
 
 
-def weighted_mean(deltas: Sequence[Delta], weights: Sequence[float] | np.ndarray) -> np.ndarray:
-    """Δ = Σ w_m δ_m / Σ w_m, float32, shaped like the deltas."""
+def weighted_mean(deltas: Sequence[Delta], weights: Sequence[float] | np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """Δ = scale · Σ w_m δ_m / Σ w_m, float32, shaped like the deltas (`scale` folded into the w_m)."""
     flats, shape = _flat(deltas)
-    return _combine(flats, _normalized(weights, len(flats))).reshape(shape)
+    return _combine(flats, scale * _normalized(weights, len(flats)))[0].reshape(shape)
 
 
 def rda(
-    deltas: Sequence[Delta], weights: Sequence[float] | np.ndarray, norms: Sequence[float] | None = None
+    deltas: Sequence[Delta],
+    weights: Sequence[float] | np.ndarray,
+    norms: Sequence[float] | None = None,
+    scale: float = 1.0,
 ) -> np.ndarray:
-    """Radial-directional average of one tensor's deltas (see module docstring), float32.
+    """Radial-directional average of one tensor's deltas (see module docstring), times `scale`, float32.
 
     `norms` may pass the ‖δ_m‖ already computed while validating the contributions (`tensor_norms`),
-    which saves one read of every delta.
+    which saves one read of every delta. `scale` rides on the final radial factor, so it costs no pass.
     """
     flats, shape = _flat(deltas)
     w = _normalized(weights, len(flats))
     r = np.array([_norm(f) for f in flats] if norms is None else norms, dtype=np.float64)
     unit_coefs = np.divide(w, r, out=np.zeros_like(w), where=r > 0)
-    direction = _combine(flats, unit_coefs)  # Σ w̃_m unit(δ_m)
-    dnorm = _norm(direction)
+    direction, sq = _combine(flats, unit_coefs)  # Σ w̃_m unit(δ_m)
+    dnorm = _norm(direction) if sq is None else math.sqrt(sq)
     if dnorm < DIRECTION_EPS:
-        return _combine(flats, w).reshape(shape)
-    direction *= np.float32(float(w @ r) / dnorm)
+        return _combine(flats, scale * w)[0].reshape(shape)
+    direction *= np.float32(scale * float(w @ r) / dnorm)
     return direction.reshape(shape)
 
 
@@ -136,8 +164,9 @@ def merge_fragment(
     rule: str = "rda",
     embedding: frozenset[str] | set[str] = frozenset(),
     norms: Sequence[Mapping[str, float]] | None = None,
+    scale: float = 1.0,
 ) -> dict[str, np.ndarray]:
-    """Merges one fragment's contributions tensor by tensor.
+    """Merges one fragment's contributions tensor by tensor, times `scale` (a partial round's share).
 
     Args:
       deltas: one flat dict ``{tensor name: δ_m}`` per contribution, all with the same names (arrays,
@@ -146,6 +175,7 @@ def merge_fragment(
       rule: ``"rda"`` or ``"mean"`` for non-embedding tensors.
       embedding: tensor names that always use the weighted mean.
       norms: optional `tensor_norms` of each contribution, reused by RDA.
+      scale: multiplies every merged tensor, folded into the coefficients (no pass of its own).
 
     Returns:
       ``{tensor name: Δ}`` in float32.
@@ -162,7 +192,7 @@ def merge_fragment(
     for n in names:
         tensors = [d[n] for d in deltas]
         if rule == "mean" or n in embedding:
-            out[n] = weighted_mean(tensors, weights)
+            out[n] = weighted_mean(tensors, weights, scale)
         else:
-            out[n] = rda(tensors, weights, None if norms is None else [nm[n] for nm in norms])
+            out[n] = rda(tensors, weights, None if norms is None else [nm[n] for nm in norms], scale)
     return out

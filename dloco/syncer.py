@@ -265,10 +265,10 @@ class SyncerCore:
             weights = merge.token_weights([m.tokens for m in metas], [m.steps for m in metas])
         else:
             weights = np.ones(len(metas))
-        pseudo_grad = merge.merge_fragment(screened.deltas, weights, self.cfg.merge.rule, self.embedding, norms)
-        share = self.share(p, metas, weights, registry)
-        if share < 1.0:
-            pseudo_grad = {n: x * np.float32(share) for n, x in pseudo_grad.items()}
+        share = self.share(p, metas, weights, registry)  # a partial round applies its share of the weight
+        pseudo_grad = merge.merge_fragment(
+            screened.deltas, weights, self.cfg.merge.rule, self.embedding, norms, scale=share
+        )
         values, state = self._outer_step(self.values[p], self.states[p], pseudo_grad, len(metas))
         # per-step norms ‖δ‖ / c_steps (`defence.screen`), recorded when the store acknowledges
         step_norms = tuple(
