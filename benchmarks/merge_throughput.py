@@ -7,6 +7,8 @@ All rates are measured in one run, side by side, on the same arrays (this machin
             + outer_step (optax Nesterov SGD)                and of contribution bytes read
   int4 enc  compress.encode(x, "int4")                       GB/s of fp32 input
   int4 dec  compress.decode(payload)                         GB/s of fp32 output
+  packed    the syncer's path on M int4 payloads, side by side: Σ c_m decode(p_m) and Σ_m ‖p_m‖² by
+            numpy passes over cache-sized chunks against the compiled kernels (`dloco.kernels`)
 
 Usage:  python benchmarks/merge_throughput.py [--params 100e6] [--learners 4] [--repeat 3]
 Writes  benchmarks/results/merge_throughput.json
@@ -90,6 +92,30 @@ def main() -> None:
     t_enc = best(lambda: payloads.update({k: compress.encode(v, "int4") for k, v in x.items()}), args.repeat)
     t_dec = best(lambda: [compress.decode(p) for p in payloads.values()], args.repeat)
     wire = sum(p.nbytes for p in payloads.values())
+    packed = [{k: compress.encode(v, "int4") for k, v in dm.items()} for dm in deltas]
+    coefs = list(weights / weights.sum())
+
+    def weighted_sum(combine):
+        return [combine([pm[k] for pm in packed], coefs) for k in theta]
+
+    b = np.arange(256)
+    lut = (((b & 15) - 8) ** 2 + ((b >> 4) - 8) ** 2).astype(np.uint8)  # Σ q² of the two codes in each byte
+
+    def sq_norms_numpy():  # Σ q² per byte gathered from the table, chunk by chunk (the path before the kernel)
+        total = 0.0
+        for pm in packed:
+            for q in pm.values():
+                codes, s2 = q.data.reshape(-1, q.block // 2), np.square(q.scales.astype(np.float64))
+                for i in range(0, codes.shape[0], 1024):
+                    q2 = np.take(lut, codes[i : i + 1024]).sum(axis=1, dtype=np.uint64)
+                    total += float(np.dot(q2.astype(np.float64), s2[i : i + 1024]))
+        return total
+
+    weighted_sum(merge._combine)  # compile (or load) the kernels once
+    t_sum_np = best(lambda: weighted_sum(merge._combine_chunks), args.repeat)
+    t_sum_k = best(lambda: weighted_sum(merge._combine), args.repeat)
+    t_sq_np = best(sq_norms_numpy, args.repeat)
+    t_sq_k = best(lambda: [compress.sq_norm(q) for pm in packed for q in pm.values()], args.repeat)
 
     copy_bw = gb / t_copy
     rows = [
@@ -111,6 +137,10 @@ def main() -> None:
         ("outer step only", t_outer, gb / t_outer, None),
         ("int4 encode", t_enc, gb / t_enc, None),
         ("int4 decode", t_dec, gb / t_dec, None),
+        (f"int4 Σ c_m p_m (M={args.learners}), numpy chunks", t_sum_np, gb / t_sum_np, args.learners * gb / t_sum_np),
+        (f"int4 Σ c_m p_m (M={args.learners}), kernel", t_sum_k, gb / t_sum_k, args.learners * gb / t_sum_k),
+        (f"int4 ‖p_m‖² (M={args.learners}), numpy table", t_sq_np, gb / t_sq_np, args.learners * gb / t_sq_np),
+        (f"int4 ‖p_m‖² (M={args.learners}), kernel", t_sq_k, gb / t_sq_k, args.learners * gb / t_sq_k),
     ]
     print(
         f"fragment set: {n / 1e6:.0f}M fp32 parameters ({gb:.2f} GB), {len(theta)} tensors; "

@@ -229,7 +229,7 @@ def decode_range(p: Payload, lo: int, hi: int, out: np.ndarray, factor: float = 
 
 def sq_norm(p: Payload) -> float:
     """``‖decode(p)‖²`` (float64 accumulation) read from the codes, without decoding: for the integer
-    dtypes Σ_b s_b² Σ_i q_i² (a lookup table of Σ q² per byte, one compiled pass: `dloco.kernels`).
+    dtypes Σ_b s_b² Σ_i q_i² (one compiled pass over the codes: `dloco.kernels`).
     Non-finite when a scale or value is."""
     flat = p.data.reshape(-1)
     total = 0.0
@@ -241,7 +241,7 @@ def sq_norm(p: Payload) -> float:
         return total
     from dloco import kernels  # numba: only the syncer's processes load it
 
-    return kernels.sq_norm(flat, p.scales, p.block, p.dtype, _SQ_LUT[p.dtype])
+    return kernels.sq_norm(flat, p.scales, p.block, p.dtype)
 
 
 def validate(p: object) -> Payload:
@@ -254,20 +254,6 @@ def validate(p: object) -> Payload:
         raise ValueError(f"Payload shape must be a tuple of sizes, got {p.shape!r}")
     Payload.__post_init__(p)
     return p
-
-
-def _sq_table(dtype: str) -> np.ndarray:
-    """Σ q² of the codes packed in each byte value 0..255 (int8: the byte as a signed code), in
-    the narrowest type that holds it (gathering bytes is what makes `sq_norm` fast)."""
-    b = np.arange(256, dtype=np.int64)
-    if dtype == "int8":
-        return ((b.astype(np.uint8).view(np.int8).astype(np.int64)) ** 2).astype(np.uint16)  # ≤ 128²
-    if dtype == "int4":
-        return (((b & 0x0F) - 8) ** 2 + ((b >> 4) - 8) ** 2).astype(np.uint8)  # ≤ 2 · 8²
-    return np.sum([(((b >> (2 * k)) & 0x03) - 1) ** 2 for k in range(4)], axis=0).astype(np.uint8)  # ≤ 4
-
-
-_SQ_LUT = {d: _sq_table(d) for d in _LEVELS}
 
 
 def encode_with_feedback(

@@ -1,10 +1,9 @@
 """Compiled kernels of the syncer's merge path (numba): the packed codes read once, in one pass.
 
 Two kernels over the integer wire dtypes of `dloco.compress` (int8, int4, int2: codes packed
-``per`` to a byte, one float32 scale per block of ``block`` values):
+``per`` to a byte, one scale per block of ``block`` values):
 
-* `sq_norm`: ``Σ_b s_b² Σ_i q_i²`` from the bytes through a 256-entry table of Σ q² per byte (no
-  value is decoded).
+* `sq_norm`: ``Σ_b s_b² Σ_i q_i²`` from the codes (integer arithmetic; no value is scaled).
 * `combine`: ``out = Σ_m decode(payload_m)`` with each scale already multiplied by its coefficient
   c_m, block by block: a chunk of 256 blocks of ``out`` (128 KiB at block 128) stays in cache while
   every contribution's codes for it are decoded and added, in the order of the contributions, and
@@ -17,9 +16,11 @@ into an array and added in a fixed order afterwards: the result does not depend 
 threads ran. Calls are serialized by a lock (numba's workqueue threading layer, its fallback,
 must not be entered from two threads at once).
 
-The kernels compile on first use (a few seconds) and are cached beside this file (`__pycache__`),
-so a later process loads them in well under a second. Only the syncer and the store import this
-module; a learner never pays for numba.
+Each code layout has kernels of its own with its constants compiled in (with the constants as
+arguments LLVM did not vectorize the decode, and the sum ran at half the speed). The kernels
+compile on first use (about a second each) and are cached beside this file (`__pycache__`), so a
+later process loads them in a fraction of a second. Only the processes that merge import this
+module; a learner never loads numba.
 """
 
 from __future__ import annotations
@@ -36,54 +37,63 @@ _CHUNK_BLOCKS = 256
 _LOCK = threading.Lock()
 
 
-@numba.njit(parallel=True, cache=True)
-def _sq_norm(codes, scales, per_row, lut, partial):  # pragma: no cover - compiled
-    for b in numba.prange(scales.size):
-        acc = 0
-        base = b * per_row
-        for j in range(per_row):
-            acc += lut[codes[base + j]]
-        s = np.float64(scales[b])
-        partial[b] = s * s * acc
-
-
-@numba.njit(parallel=True, cache=True)
-def _combine(codes, scales, out, n, block, lp, bits, mask, flip, off, partial):  # pragma: no cover - compiled
-    m_count = len(codes)
-    n_blocks = scales[0].size
-    per_row = block >> lp
+def _kernels(lp: int, bits: int, mask: int, flip: int, off: int):
+    """(sq_norm, combine) compiled for one code layout."""
     sub = (1 << lp) - 1
-    for ch in numba.prange((n_blocks + _CHUNK_BLOCKS - 1) // _CHUNK_BLOCKS):
-        b0 = ch * _CHUNK_BLOCKS
-        b1 = min(b0 + _CHUNK_BLOCKS, n_blocks)
-        for m in range(m_count):
-            c = codes[m]
-            s = scales[m]
-            for b in range(b0, b1):
-                sb = s[b]
-                o = out[b * block : (b + 1) * block]
-                cc = c[b * per_row : (b + 1) * per_row]
-                if m == 0:
-                    for i in range(block):
-                        v = np.int32(cc[i >> lp])
-                        o[i] = np.float32((((v >> ((i & sub) * bits)) & mask) ^ flip) - off) * sb
-                else:
-                    for i in range(block):
-                        v = np.int32(cc[i >> lp])
-                        o[i] += np.float32((((v >> ((i & sub) * bits)) & mask) ^ flip) - off) * sb
-        acc = 0.0
-        for i in range(b0 * block, min(b1 * block, n)):
-            x = np.float64(out[i])
-            acc += x * x
-        partial[ch] = acc
+
+    @numba.njit(parallel=True, cache=True)
+    def sq_norm(codes, scales, block, partial):  # pragma: no cover - compiled
+        per_row = block >> lp
+        for b in numba.prange(scales.size):
+            cc = codes[b * per_row : (b + 1) * per_row]
+            acc = 0
+            for i in range(block):
+                q = (((np.int32(cc[i >> lp]) >> ((i & sub) * bits)) & mask) ^ flip) - off
+                acc += q * q
+            s = np.float64(scales[b])
+            partial[b] = s * s * acc
+
+    @numba.njit(parallel=True, cache=True)
+    def combine(codes, scales, out, n, block, partial):  # pragma: no cover - compiled
+        n_blocks = scales[0].size
+        per_row = block >> lp
+        for ch in numba.prange((n_blocks + _CHUNK_BLOCKS - 1) // _CHUNK_BLOCKS):
+            b0 = ch * _CHUNK_BLOCKS
+            b1 = min(b0 + _CHUNK_BLOCKS, n_blocks)
+            for m in range(len(codes)):
+                c, s = codes[m], scales[m]
+                for b in range(b0, b1):
+                    sb = s[b]
+                    o = out[b * block : (b + 1) * block]
+                    cc = c[b * per_row : (b + 1) * per_row]
+                    if m == 0:
+                        for i in range(block):
+                            o[i] = (
+                                np.float32((((np.int32(cc[i >> lp]) >> ((i & sub) * bits)) & mask) ^ flip) - off) * sb
+                            )
+                    else:
+                        for i in range(block):
+                            o[i] += (
+                                np.float32((((np.int32(cc[i >> lp]) >> ((i & sub) * bits)) & mask) ^ flip) - off) * sb
+                            )
+            acc = 0.0
+            for i in range(b0 * block, min(b1 * block, n)):
+                x = np.float64(out[i])
+                acc += x * x
+            partial[ch] = acc
+
+    return sq_norm, combine
 
 
-def sq_norm(codes: np.ndarray, scales: np.ndarray, block: int, dtype: str, lut: np.ndarray) -> float:
-    """``Σ_b s_b² Σ_i q_i²`` (float64) of one payload's codes (`lut`: Σ q² per byte value)."""
+_KERNELS = {dtype: _kernels(*layout) for dtype, layout in _LAYOUT.items()}
+
+
+def sq_norm(codes: np.ndarray, scales: np.ndarray, block: int, dtype: str) -> float:
+    """``Σ_b s_b² Σ_i q_i²`` (float64) of one payload's codes and (float16) scales."""
     scales32 = scales.astype(np.float32)
     partial = np.empty(scales32.size, np.float64)
     with _LOCK, np.errstate(over="ignore", invalid="ignore"):
-        _sq_norm(codes.reshape(-1).view(np.uint8), scales32, block >> _LAYOUT[dtype][0], lut, partial)
+        _KERNELS[dtype][0](codes.reshape(-1).view(np.uint8), scales32, block, partial)
         return float(partial.sum())
 
 
@@ -103,11 +113,10 @@ def combine(
     n_blocks = scales[0].size
     out = np.empty(n_blocks * block, np.float32)
     partial = np.empty(-(-n_blocks // _CHUNK_BLOCKS), np.float64)
-    lp, bits, mask, flip, off = _LAYOUT[dtype]
     with _LOCK:
-        _combine(
+        _KERNELS[dtype][1](
             List([c.reshape(-1).view(np.uint8) for c in codes]),
             List([np.ascontiguousarray(s, np.float32) for s in scales]),
-            *(out, n, block, lp, bits, mask, flip, off, partial),
+            *(out, n, block, partial),
         )
     return out[:n], float(partial.sum())
