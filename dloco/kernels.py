@@ -46,7 +46,7 @@ def _kernels(lp: int, bits: int, mask: int, flip: int, off: int):
         per_row = block >> lp
         for b in numba.prange(scales.size):
             cc = codes[b * per_row : (b + 1) * per_row]
-            acc = 0
+            acc = np.int64(0)
             for i in range(block):
                 q = (((np.int32(cc[i >> lp]) >> ((i & sub) * bits)) & mask) ^ flip) - off
                 acc += q * q
