@@ -38,6 +38,7 @@ import numpy as np
 DTYPES = ("fp32", "bf16", "int8", "int4", "int2")
 
 _LEVELS = {"int8": 127, "int4": 7, "int2": 1}
+INTEGER_DTYPES = tuple(_LEVELS)  # the block-quantized wire dtypes (codes and scales)
 # Codes per stored byte of the integer dtypes.
 _PER_BYTE = {"int8": 1, "int4": 2, "int2": 4}
 _FP16_MAX = float(np.finfo(np.float16).max)  # 65504

@@ -73,3 +73,23 @@ def test_scale_is_folded_into_the_merge():
         one = merge.merge_fragment([{"w": p} for p in d["w"]], [1.0, 2.0, 3.0], rule)["w"]
         half = merge.merge_fragment([{"w": p} for p in d["w"]], [1.0, 2.0, 3.0], rule, scale=0.5)["w"]
         np.testing.assert_allclose(half, one * np.float32(0.5), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
+def test_read_only_payloads_merge_like_writable_ones_in_one_call(dtype):
+    """Payloads fetched from Ray's object store are read-only arrays; built in-process, writable.
+    Both (and a mix of both in one round) give the same bits, through one compiled signature."""
+    ps = _payloads(dtype, 10_000, 3)
+    coefs = [0.5, -1.0, 2.0]
+    want, want_sq = merge._combine(ps, coefs)
+    frozen = []
+    for p in ps[:2]:
+        codes, scales = p.data.copy(), p.scales.copy()
+        codes.flags.writeable = scales.flags.writeable = False
+        frozen.append(compress.Payload(p.dtype, p.shape, codes, scales, p.block))
+    for mix in (frozen + ps[2:], ps[:1] + frozen[1:] + ps[2:]):
+        got, sq = merge._combine(mix, coefs)
+        np.testing.assert_array_equal(got, want)
+        assert sq == want_sq
+        assert [compress.sq_norm(p) for p in mix] == [compress.sq_norm(p) for p in ps]
+    assert [len(k.signatures) for k in kernels._KERNELS[dtype]] == [1, 1]
