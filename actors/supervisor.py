@@ -313,6 +313,22 @@ class RunHandle:
                 self.summary = {"error": self.fatal, "run_dir": str(self.run_dir), "config": self.cfg_dict}
             self._done.set()
 
+    def _drain_rounds(self, quiet_s: float = 0.5, bound_s: float = 15.0) -> None:
+        """Waits until no shard has a round that will still commit (taken, or at quorum in its
+        grace window) for `quiet_s` in a row, at most `bound_s`: the learners' last pushes are
+        merged before the end evaluation. A round below quorum waits for pushes that will not come."""
+        deadline, quiet_since = time.time() + bound_s, time.time()
+        while time.time() < deadline:
+            try:
+                busy = any(s["busy"] for s in ray.get([s.status.remote() for s in self.syncers], timeout=5.0))
+            except ray.exceptions.RayError:
+                return  # a syncer that does not answer is reported by `_poll_actors`
+            if busy:
+                quiet_since = time.time()
+            elif time.time() - quiet_since >= quiet_s:
+                return
+            time.sleep(0.05)
+
     def _wind_down(self) -> None:
         self._stop_requested.set()
         self.faults.stop()  # no scheduled fault after this point
@@ -324,7 +340,7 @@ class RunHandle:
         ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=60)
         self._check_health()  # a learner that failed as the run ended (e.g. refused its corpus) is reported too
         self._poll_actors()
-        time.sleep(0.5)  # let in-flight rounds commit
+        self._drain_rounds()
         self._poll_actors()
         end_loss: float | None = None
         try:

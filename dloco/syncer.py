@@ -117,6 +117,18 @@ class SyncerCore:
         self._closing: dict[int, tuple[float, float, dict[int, int]]] = {}  # p → (ξ_grace, slack, registry) at take
         self._inflight: list[set[tuple[int, int, int]]] = [set() for _ in range(plan.count)]  # taken, not acked
 
+    def warm(self) -> None:
+        """Compiles the merge path before the first push arrives: the compiled merge kernels of the
+        wire dtype and each fragment's outer step (run once on a zero pseudo-gradient, the result
+        dropped). A syncer that starts (or restarts) then merges its first round at once instead of
+        seconds late; a short run whose learners reach the budget in a second still gets merges."""
+        if self.cfg.compression.dtype in compress.INTEGER_DTYPES:
+            from dloco import kernels  # numba: only the processes that merge load it
+
+            kernels.warm(self.cfg.compression.dtype)
+        for p in range(self.plan.count):
+            self._outer_step(self.values[p], self.states[p], {k: np.zeros_like(v) for k, v in self.values[p].items()})
+
     def _tracker(self, history: Iterable[float]) -> NormTracker:
         """The outlier check's tracker from a stored history (what is not a finite norm ≥ 0 is dropped)."""
         kept = [float(x) for x in history if isinstance(x, int | float) and math.isfinite(x) and x >= 0]
@@ -223,6 +235,12 @@ class SyncerCore:
         items = r.take()
         self._inflight[p] = {(m.learner_id, m.incarnation, m.step) for m, _ in items}
         return items, grace_used
+
+    def busy(self) -> list[int]:
+        """The fragments whose round commits without another push: taken and not yet over (being
+        merged or committed), or holding a quorum (elastic_dp: a first push) whose window runs."""
+        n = 1 if self.elastic else self.cfg.syncer.quorum
+        return [p for p, r in enumerate(self.rounds) if self._inflight[p] or len(r.pending) >= n]
 
     def release(self, p: int) -> None:
         """Round p's close is over (committed, discarded or failed): its pushes are no longer in flight."""

@@ -264,3 +264,22 @@ def test_a_replayed_push_is_rejected_and_never_merged_twice():
     assert s.merged_steps[1] == {0: (1, 10), 1: (1, 20)} and s.versions[1] == 2
     s.update_registry({0: 2, 1: 1, 2: 1})  # learner 0 restarted: its steps count anew
     assert s.push(meta(0, base=2, step=10, inc=2), payload([1, 0, 0, 0]), now=2.0).accept
+
+
+def test_busy_lists_the_rounds_that_commit_without_another_push():
+    """What the run's wind-down waits for: a round at quorum (its grace window runs) and a taken
+    round until it is committed or released; a round below quorum is not waited for."""
+    _, s = make_syncer()
+    assert s.push(meta(0), payload([1, 0, 0, 0]), now=0.0).accept
+    assert s.busy() == []  # 1/2: the quorum needs a push that may never come
+    assert s.push(meta(1), payload([0, 1, 0, 0]), now=0.1).accept
+    assert s.busy() == [1]
+    items, _ = s.take(1, 0.2)
+    assert s.busy() == [1]  # taken: being merged
+    s.committed(s.merge(1, items, grace_used=0.0), sync_time=0.01)
+    assert s.busy() == []
+    assert s.push(meta(0, base=1, step=20), payload([1, 0, 0, 0]), now=0.3).accept
+    assert s.push(meta(2, base=1, step=20), payload([1, 0, 0, 0]), now=0.3).accept
+    s.take(1, 0.4)
+    s.release(1)  # e.g. the merge failed: the round is over
+    assert s.busy() == []

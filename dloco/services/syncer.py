@@ -120,6 +120,7 @@ class SyncerService:
             return {
                 "versions": list(self.core.versions),
                 "pending": [len(r.pending) for r in self.core.rounds],
+                "busy": self.core.busy(),  # rounds that commit without another push
                 "grace_s": self.core.grace(),
                 "slack_s": self.core.slack(),
             }
