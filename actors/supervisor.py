@@ -314,19 +314,15 @@ class RunHandle:
             self._done.set()
 
     def _drain_rounds(self, quiet_s: float = 0.5, bound_s: float = 15.0) -> None:
-        """Waits until no shard has a round that will still commit (taken, or at quorum in its
-        grace window) for `quiet_s` in a row, at most `bound_s`: the learners' last pushes are
-        merged before the end evaluation. A round below quorum waits for pushes that will not come."""
+        """Waits until no shard has a round that commits without another push (`SyncerCore.busy`) for
+        `quiet_s`, at most `bound_s`: the learners' last pushes are merged before the end evaluation."""
         deadline, quiet_since = time.time() + bound_s, time.time()
-        while time.time() < deadline:
+        while time.time() < deadline and time.time() - quiet_since < quiet_s:
             try:
-                busy = any(s["busy"] for s in ray.get([s.status.remote() for s in self.syncers], timeout=5.0))
+                if any(s["busy"] for s in ray.get([s.status.remote() for s in self.syncers], timeout=5.0)):
+                    quiet_since = time.time()
             except ray.exceptions.RayError:
                 return  # a syncer that does not answer is reported by `_poll_actors`
-            if busy:
-                quiet_since = time.time()
-            elif time.time() - quiet_since >= quiet_s:
-                return
             time.sleep(0.05)
 
     def _wind_down(self) -> None:

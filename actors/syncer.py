@@ -24,7 +24,6 @@ class Syncer:
         """The syncer of shard `shard`; `store_name` names that shard's store actor."""
         store = StoreHandle(ray.get_actor(store_name, namespace=namespace))
         self.service = SyncerService(from_dict(cfg), store, RayTransport(), WallClock(), shard)
-        self.service.core.warm()  # compiled before learners can push: the first round merges at once
         self._wake = threading.Event()
         threading.Thread(target=self._loop, name="dloco-syncer-rounds", daemon=True).start()
 
@@ -35,6 +34,7 @@ class Syncer:
         return d
 
     def _loop(self) -> None:
+        self.service.warm()  # while learners start (seconds): their first round merges at once
         while True:
             self._wake.clear()
             wait = self.service.run_due()

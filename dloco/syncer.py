@@ -5,9 +5,8 @@ keeps the latest valid push per learner, decides when a round closes (quorum K, 
 window ξ_grace), and turns the closing round into a `Commit`: decode the payloads, check their
 values, weight them (w_m = c_tok² / c_steps), merge (RDA or mean), apply the outer Nesterov step.
 
-It holds nothing that cannot be rebuilt from the store: Θ_p, s_p, v_p (and with `publish: delta`
-the shadow Θ̂_p) are loaded from it at start and replaced by each acknowledged commit; pending
-pushes and timing EMAs are soft state.
+It holds nothing the store cannot rebuild: Θ_p, s_p, v_p (with `publish: delta` the shadow Θ̂_p)
+come from it at start and with each acknowledged commit; pending pushes and timings are soft state.
 
 Publishing (ALGORITHM.md §7): with `compression.publish: delta` the commit carries
 q = encode(Θ_p − Θ̂_p, `publish_dtype`) and the new shadow Θ̂_p + decode(q); a learner holding
@@ -105,29 +104,15 @@ class SyncerCore:
         self.rounds = [FragmentRound(p, cfg.syncer.quorum) for p in range(plan.count)]
         self.norms = [self._tracker(h) for h in norms or [[] for _ in range(plan.count)]]
         self.timings = SyncerTimings(cfg.syncer.ema_decay)
-        self._outer_step = outer.make_outer_step(outer.outer_config(cfg))
+        self.outer_step = outer.make_outer_step(outer.outer_config(cfg))
         self.dp, self.elastic = cfg.algorithm in DP_ALGORITHMS, cfg.algorithm == "elastic_dp"
         self.dropped: set[int] = set()  # elastic_dp: learners the current configuration runs without
         self._dropping: dict[int, list[int]] = {}  # fragment → learners its closing round dropped
         # fragment → learner → weight w_m of its last merged push (soft state for `share`)
         self._last_weights: list[dict[int, float]] = [{} for _ in range(plan.count)]
-        self.merged_steps: list[dict[int, tuple[int, int]]] = [
-            dict(x) for x in merged or [{} for _ in range(plan.count)]
-        ]
+        self.merged_steps = [dict(x) for x in merged or [{} for _ in range(plan.count)]]
         self._closing: dict[int, tuple[float, float, dict[int, int]]] = {}  # p → (ξ_grace, slack, registry) at take
         self._inflight: list[set[tuple[int, int, int]]] = [set() for _ in range(plan.count)]  # taken, not acked
-
-    def warm(self) -> None:
-        """Compiles the merge path before the first push arrives: the compiled merge kernels of the
-        wire dtype and each fragment's outer step (run once on a zero pseudo-gradient, the result
-        dropped). A syncer that starts (or restarts) then merges its first round at once instead of
-        seconds late; a short run whose learners reach the budget in a second still gets merges."""
-        if self.cfg.compression.dtype in compress.INTEGER_DTYPES:
-            from dloco import kernels  # numba: only the processes that merge load it
-
-            kernels.warm(self.cfg.compression.dtype)
-        for p in range(self.plan.count):
-            self._outer_step(self.values[p], self.states[p], {k: np.zeros_like(v) for k, v in self.values[p].items()})
 
     def _tracker(self, history: Iterable[float]) -> NormTracker:
         """The outlier check's tracker from a stored history (what is not a finite norm ≥ 0 is dropped)."""
@@ -237,8 +222,7 @@ class SyncerCore:
         return items, grace_used
 
     def busy(self) -> list[int]:
-        """The fragments whose round commits without another push: taken and not yet over (being
-        merged or committed), or holding a quorum (elastic_dp: a first push) whose window runs."""
+        """Fragments whose round commits without another push: taken, or at quorum (elastic: any push)."""
         n = 1 if self.elastic else self.cfg.syncer.quorum
         return [p for p, r in enumerate(self.rounds) if self._inflight[p] or len(r.pending) >= n]
 
@@ -287,7 +271,7 @@ class SyncerCore:
         pseudo_grad = merge.merge_fragment(
             screened.deltas, weights, self.cfg.merge.rule, self.embedding, norms, scale=share
         )
-        values, state = self._outer_step(self.values[p], self.states[p], pseudo_grad, len(metas))
+        values, state = self.outer_step(self.values[p], self.states[p], pseudo_grad, len(metas))
         # per-step norms ‖δ‖ / c_steps (`defence.screen`), recorded when the store acknowledges
         step_norms = tuple(
             float(np.sqrt(sum(v * v for v in tn.values()))) / max(m.steps, 1)

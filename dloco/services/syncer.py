@@ -21,7 +21,9 @@ import threading
 import traceback
 from typing import Any
 
-from dloco import build, events
+import numpy as np
+
+from dloco import build, compress, events
 from dloco.config import RunConfig
 from dloco.policy import ContributionMeta, Decision, check_fields
 from dloco.services import shards
@@ -39,6 +41,24 @@ class SyncerService:
         self.core = SyncerCore(cfg, bp.plan, bp.embedding, frs, registry, shadows, merged, norms)
         self.lock = threading.Lock()
         self.events: list[dict] = [events.SyncerStart(time=clock.wall(), versions=list(self.core.versions)).to_dict()]
+
+    def warm(self) -> None:
+        """Compiles the merge path before the first push: the wire dtype's merge kernels and each
+        fragment's outer step (run on a zero pseudo-gradient, the result dropped), so that a syncer
+        that starts or restarts merges its first round at once, not seconds late (a short run's
+        learners may reach the budget first). A failure is reported; the first merge compiles then."""
+        try:
+            if self.cfg.compression.dtype in compress.INTEGER_DTYPES:
+                from dloco import kernels  # numba: only the processes that merge load it
+
+                kernels.warm(self.cfg.compression.dtype)
+            c = self.core
+            for p in range(c.plan.count):
+                c.outer_step(c.values[p], c.states[p], {k: np.zeros_like(v) for k, v in c.values[p].items()})
+        except Exception as e:
+            err = events.SyncerError(time=self.clock.wall(), error=repr(e), trace=traceback.format_exc(limit=5))
+            with self.lock:
+                self.events.append(err.to_dict())
 
     def push(self, meta: ContributionMeta, ref: Any) -> Decision:
         """Accepts or rejects one contribution; `ref` is where the transport put its payload."""
