@@ -257,6 +257,7 @@ def main() -> None:
     out.write_text(
         json.dumps(
             {
+                "command": " ".join(["python", "benchmarks/goodput.py", *sys.argv[1:]]),
                 "learners": M,
                 "seconds": args.seconds,
                 "chaos": cfg_chaos.__dict__ | {"syncer_kills_s": [], "store_kills_s": []},

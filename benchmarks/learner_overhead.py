@@ -530,6 +530,7 @@ def main() -> None:
     out.write_text(
         json.dumps(
             {
+                "command": " ".join(["python", "benchmarks/learner_overhead.py", *sys.argv[1:]]),
                 "mode": name,
                 "table": [{"operation": op, "value": v, "unit": unit} for op, v, unit in rows],
                 "overhead": {**ov, "preset": preset, "batch": args.batch, "seq": args.seq, "params": n_params},

@@ -1,11 +1,11 @@
 """docs/RESULTS.md from the benchmarks' JSON: quality, wire accounting, the emulated WAN, throughput,
-the commit path at scale and the soak.
+the commit path at scale, the soak, learner overhead and rejoin, and goodput under kills.
 
-Reads benchmarks/results/{quality,bandwidth,wan,throughput,syncer_scale,soak}.json (written by the
-script of the same name; a missing file leaves its section saying which command produces it) and writes one
-Markdown file: the summary of what the numbers say (each "matches the paper" line is computed from
-the rows, not written by hand), every table with its config hashes, the exact commands, and the
-quality figure (copied next to the Markdown).
+Reads benchmarks/results/{quality,bandwidth,wan,throughput,syncer_scale,soak,learner_overhead,goodput}.json
+(written by the script of the same name; a missing file leaves its section saying which command
+produces it) and writes one Markdown file: the summary of what the numbers say (each "matches the
+paper" line is computed from the rows, not written by hand), every table with its config hashes,
+the exact commands, and the quality figure (copied next to the Markdown).
 
 Usage:  python benchmarks/report.py [--results benchmarks/results] [--out docs/RESULTS.md]
 """
@@ -390,6 +390,70 @@ def bandwidth_section(bw: dict, q: Quality | None) -> list[str]:
     return out
 
 
+def overhead_section(lo: dict) -> list[str]:
+    """learner_overhead.json (CPU): the actor against a bare loop, and rejoin with and without a warm spare."""
+    o, cmd = lo["overhead"], lo.get("command", "python benchmarks/learner_overhead.py --quick")
+    out = [
+        "## Learner overhead and rejoin (`benchmarks/learner_overhead.py`)",
+        "",
+        f"`{cmd}` on {lo['machine']['cpus']} CPU cores: the {o['preset']} model ({o['params']:,} parameters), "
+        f"batch {o['batch']} × {o['seq']}; the real learner actor (beside a real store and a syncer that accepts "
+        "every push) and a bare loop without Ray take turns in timed chunks.",
+        "",
+        "| bare tokens/s | actor tokens/s | actor / bare | median of paired chunks |",
+        "|---:|---:|---:|---:|",
+        f"| {o['bare_tokens_per_s']:,.0f} | {o['actor_tokens_per_s']:,.0f} | {o['ratio']:.3f} | "
+        f"{o['paired_ratio_median']:.3f} |",
+        "",
+        "Rejoin: the tiny preset, 2 learners, K = 1; learner 1 killed once it has merged into every fragment, "
+        "so that it resumes at its merged cursor. *Restart*: kill → the new incarnation registered; *first "
+        "merge*: kill → a merge with its contribution. With a spare, one warm process (JAX imported, step "
+        "compiled, no identity) takes learner 1's identity and cursor.",
+        "",
+        "| rejoin | kills | kill → restart (s, median) | kill → first merge (s, median) | resumed at merged step |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for name, key in (("new process (Ray restarts the actor)", "rejoin"), ("warm spare", "rejoin_spares")):
+        j = lo.get(key)
+        if j:
+            resumed = all(r["resumed_at_step"] > 0 for r in j["rejoins"])
+            out.append(
+                f"| {name} | {len(j['rejoins'])} | {j['kill_to_restart_s_median']:.2f} | "
+                f"{j['kill_to_first_merge_s_median']:.2f} | {'yes' if resumed else 'no'} |"
+            )
+    return [*out, ""]
+
+
+def goodput_section(gp: dict) -> list[str]:
+    """goodput.json: every algorithm under one seeded kill schedule on real actors."""
+    out = [
+        "## Goodput under learner kills (`benchmarks/goodput.py`)",
+        "",
+        f"`{gp.get('command', 'python benchmarks/goodput.py --quick')}`: {gp['learners']} learners on "
+        f"{gp['machine']['cpus']} CPU cores, {gp['seconds']:.0f} s of wall time per run, the same "
+        f"{len(gp['schedule'])} learner kills (per-learner MTBF {gp['chaos']['mtbf_s']:g} s, seed "
+        f"{gp['chaos']['seed']}) in every run. Goodput counts every provisioned learner-second, a warm spare's "
+        "idle time included (an idle spare is a host paid for). *Simulated*: the goodput simulator on the "
+        "same schedule with the run's measured median kill → first merge.",
+        "",
+        "| run | goodput | ÷ no-fault run | simulated | uptime | tokens merged | eval loss | kills | "
+        "kill → first merge (s, median) | spare s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def f(v, fmt):
+        return "—" if v is None else format(v, fmt)
+
+    for r in gp["rows"]:
+        out.append(
+            f"| {r['run']} | {r['goodput']:.3f} | {f(r['goodput_vs_reference'], '.3f')} | "
+            f"{f(r['simulated_goodput'], '.3f')} | {r['uptime']:.3f} | {r['tokens_merged']:,.0f} | "
+            f"{f(r['eval_loss'], '.3f')} | {r['failures']} | {f(r['rejoin_median_s'], '.1f')} | "
+            f"{r.get('spare_s', 0.0):.0f} |"
+        )
+    return [*out, ""]
+
+
 def gpu_section(d: Path, cpu_overhead: dict | None) -> list[str]:
     """The rows measured on a lent GPU machine (benchmarks/results/gpu/, written there by the commands
     this section names), each marked GPU, beside the same rows on that machine's own CPU."""
@@ -597,7 +661,18 @@ def main(argv: list[str] | None = None) -> int:
         lines += [soak_mod.report(soak), ""]
     else:
         lines += ["## Chaos soak", "", "Not run: `python benchmarks/soak.py`.", ""]
-    lines += gpu_section(res / "gpu", load(res / "learner_overhead.json"))
+    lo, gp = load(res / "learner_overhead.json"), load(res / "goodput.json")
+    lines += (
+        overhead_section(lo)
+        if lo
+        else ["## Learner overhead and rejoin", "", "Not run: `python benchmarks/learner_overhead.py`.", ""]
+    )
+    lines += (
+        goodput_section(gp)
+        if gp
+        else ["## Goodput under learner kills", "", "Not run: `python benchmarks/goodput.py`.", ""]
+    )
+    lines += gpu_section(res / "gpu", lo)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     print(f"wrote {out}")
