@@ -22,6 +22,7 @@ Deterministic: the same config, times and faults give the same events, bit for b
 from __future__ import annotations
 
 import heapq
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,17 +54,23 @@ class VirtualClock:
 @dataclass(frozen=True)
 class _Ref:
     obj: Any
-    owner: object
+    owner: int
 
 
 class SimTransport:
-    """Payloads by reference; reading one whose owner was killed raises `PayloadLostError`."""
+    """Payloads by reference; reading one whose owner was killed raises `PayloadLostError`.
+    Each transport has its own serial number (`owner`), never reused: an `id()` would be, by the
+    transport of a restarted learner allocated where the killed one's was, whose payloads would
+    then all read as lost."""
+
+    _serials = itertools.count()
 
     def __init__(self, dead: set[int]) -> None:
-        self.dead = dead  # ids of killed owners (shared by the run's transports)
+        self.dead = dead  # owners (serial numbers) of killed transports, shared by the run's transports
+        self.owner = next(SimTransport._serials)
 
     def put(self, obj: Any) -> _Ref:
-        return _Ref(obj, id(self))
+        return _Ref(obj, self.owner)
 
     def get(self, ref: _Ref) -> Any:
         if ref.owner in self.dead:
@@ -202,7 +209,7 @@ class Sim:
             if svc is None:
                 skipped = "learner not running"
             else:
-                self.dead.add(id(svc.transport))
+                self.dead.add(svc.transport.owner)
                 self.next_done.pop(arg, None)
                 self.restarts.append((self.now + self.restart_s, arg))
         elif kind == "freeze":
@@ -210,10 +217,10 @@ class Sim:
             target = f"learner-{m}"
             self.frozen_until[m] = max(self.frozen_until.get(m, 0.0), self.now + duration)
         elif kind == "kill_syncer":
-            self.dead.add(id(self.syncers[s].transport))
+            self.dead.add(self.syncers[s].transport.owner)
             self.syncers[s] = self._syncer(s)
         elif kind == "kill_store":
-            self.dead.add(id(self.stores[s].transport))
+            self.dead.add(self.stores[s].transport.owner)
             self.stores[s].close()  # as its process's death would: the new store takes the lock
             self.stores[s] = StoreService(self.cfg, self.run_dir, SimTransport(self.dead), self.clock, shard=s)
             for m, svc in self.services.items():  # each learner's long poll fails and is sent again
