@@ -431,14 +431,16 @@ def goodput_section(gp: dict) -> list[str]:
         "",
         f"`{gp.get('command', 'python benchmarks/goodput.py --quick')}`: {gp['learners']} learners on "
         f"{gp['machine']['cpus']} CPU cores, {gp['seconds']:.0f} s of wall time per run, the same "
-        f"{len(gp['schedule'])} learner kills (per-learner MTBF {gp['chaos']['mtbf_s']:g} s, seed "
-        f"{gp['chaos']['seed']}) in every run. Goodput counts every provisioned learner-second, a warm spare's "
+        f"{len(gp['schedule'])} learner kills scheduled (per-learner MTBF {gp['chaos']['mtbf_s']:g} s, seed "
+        f"{gp['chaos']['seed']}, on a clock that starts once every learner has registered) in every run: "
+        "*kills* counts those that fell inside the run and found their learner up, *skipped* those whose learner "
+        "was still down (restarting) at the time. Goodput counts every provisioned learner-second, a warm spare's "
         "idle time included (an idle spare is a host paid for). *Simulated*: the goodput simulator on the "
         "same schedule with the run's measured median kill → first merge.",
         "",
-        "| run | goodput | ÷ no-fault run | simulated | uptime | tokens merged | eval loss | kills | "
+        "| run | goodput | ÷ no-fault run | simulated | uptime | tokens merged | eval loss | kills | skipped | "
         "kill → first merge (s, median) | spare s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(v, fmt):
@@ -448,8 +450,8 @@ def goodput_section(gp: dict) -> list[str]:
         out.append(
             f"| {r['run']} | {r['goodput']:.3f} | {f(r['goodput_vs_reference'], '.3f')} | "
             f"{f(r['simulated_goodput'], '.3f')} | {r['uptime']:.3f} | {r['tokens_merged']:,.0f} | "
-            f"{f(r['eval_loss'], '.3f')} | {r['failures']} | {f(r['rejoin_median_s'], '.1f')} | "
-            f"{r.get('spare_s', 0.0):.0f} |"
+            f"{f(r['eval_loss'], '.3f')} | {r['failures']} | {r.get('skipped', 0)} | "
+            f"{f(r['rejoin_median_s'], '.1f')} | {r.get('spare_s', 0.0):.0f} |"
         )
     return [*out, ""]
 
