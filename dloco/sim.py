@@ -78,6 +78,11 @@ class SimTransport:
         return ref.obj
 
 
+def _owner(transport: Any) -> int:
+    assert isinstance(transport, SimTransport), transport  # every service in a Sim has one
+    return transport.owner
+
+
 class _StoreFor:
     """A peer's handle on whichever store (of shard `s`) is current (a killed store is replaced at once)."""
 
@@ -209,7 +214,7 @@ class Sim:
             if svc is None:
                 skipped = "learner not running"
             else:
-                self.dead.add(svc.transport.owner)
+                self.dead.add(_owner(svc.transport))
                 self.next_done.pop(arg, None)
                 self.restarts.append((self.now + self.restart_s, arg))
         elif kind == "freeze":
@@ -217,10 +222,10 @@ class Sim:
             target = f"learner-{m}"
             self.frozen_until[m] = max(self.frozen_until.get(m, 0.0), self.now + duration)
         elif kind == "kill_syncer":
-            self.dead.add(self.syncers[s].transport.owner)
+            self.dead.add(_owner(self.syncers[s].transport))
             self.syncers[s] = self._syncer(s)
         elif kind == "kill_store":
-            self.dead.add(self.stores[s].transport.owner)
+            self.dead.add(_owner(self.stores[s].transport))
             self.stores[s].close()  # as its process's death would: the new store takes the lock
             self.stores[s] = StoreService(self.cfg, self.run_dir, SimTransport(self.dead), self.clock, shard=s)
             for m, svc in self.services.items():  # each learner's long poll fails and is sent again
