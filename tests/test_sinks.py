@@ -2,9 +2,9 @@
 W&B offline files under the run dir, an MLflow file store read back through its client."""
 
 import sys
-import time
 
 import pytest
+from conftest import wait_for
 
 from dloco import config
 from dloco.tensorboard import TensorBoardSink
@@ -40,15 +40,15 @@ def test_wandb_offline_writes_the_run_under_the_run_dir(tmp_path, monkeypatch):
     with TensorBoardSink(tmp_path, fragments=2, config=cfg) as sink:
         for e in EVENTS:
             sink.write(e)
+
     # finish() waits for the exit record, but tells wandb-core to close the run's file without waiting
     # (ServerInformFinishRequest is publish-only): on a loaded machine the records land a moment later.
-    deadline = time.monotonic() + 60
-    while True:
+    def records():
         (record,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-        data = record.read_bytes()
-        if b"goodput/goodput" in data or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        return record.read_bytes()
+
+    wait_for(lambda: b"goodput/goodput" in records(), timeout=60, every=0.2, fail=False)
+    data = records()
     assert b"eval/loss" in data and b"goodput/goodput" in data and b"t_s" in data and b"dloco-test" in data
 
 
