@@ -26,6 +26,10 @@ or older than 2 × the round trip (taken as lost). At most `MAX_PENDING_PUSHES` 
 dropped. Measured in Ray before this (ms steps, merges 6–12 steps late at H = 8): 484–2,240 steps
 merged twice per run, and eval loss above its start.
 
+Pushes fall due on the fragment plan's fixed schedule (`FragmentPlan.due`), or with
+`sync.dynamic` (DyLU) when the syncer said: each accepted push's decision names in how many steps
+the next push of its fragment is due (`retime`, `dloco.policy.Beat`); until it has, H steps.
+
 A push carries δ_p = anchor_p − θ_p (compressed with error feedback) and `ContributionMeta`.
 Data-parallel baselines (`algorithm: dp | elastic_dp`, §9): `step()` computes the gradient g of
 the batch at θ (= the installed global Θ) without applying it and pushes g every step; the merged
@@ -154,6 +158,11 @@ class LearnerCore:
         self.blocking = cfg.algorithm in BLOCKING_ALGORITHMS
         self.inbox: dict[int, Delivery] = {}
         self.outstanding: dict[int, int] = {}  # fragment → step of a push still awaiting its merge
+        # sync.dynamic: per fragment the step its next push is due, and the step of its last push
+        self.dynamic = cfg.sync.dynamic and not self.blocking and not self.dp
+        H = cfg.sync.every
+        self.next_due = [step + 1 + (plan.offset(p, H) - step - 1) % H for p in range(P)]
+        self.pushed_at: list[int | None] = [None] * P
 
     @property
     def last_pushes(self) -> list[_PushRecord | None]:
@@ -195,7 +204,7 @@ class LearnerCore:
             self.c_steps[p] += 1
         out = {k: float(v) for k, v in metrics.items()}
         pushes = []
-        for p in self.plan.due(self.state.step, self.cfg.sync.every):
+        for p in self._due():
             if self._in_flight(p):
                 self.skipped += 1
                 continue
@@ -205,6 +214,22 @@ class LearnerCore:
             else:
                 pushes.append(push)
         return out, pushes
+
+    def _due(self) -> tuple[int, ...]:
+        """The fragments whose push falls due after the step just taken (module docstring)."""
+        t, H = self.state.step, self.cfg.sync.every
+        if not self.dynamic:
+            return self.plan.due(t, H)
+        due = tuple(p for p in range(self.plan.count) if t >= self.next_due[p])
+        for p in due:  # H steps on, unless the syncer says otherwise (`retime`)
+            self.next_due[p] = t + H
+        return due
+
+    def retime(self, p: int, step: int, steps: int) -> None:
+        """`sync.dynamic`: the syncer accepted this learner's push of fragment p sent at `step` and
+        said its next push of p is due `steps` steps after it; a decision on an older push is ignored."""
+        if self.dynamic and self.pushed_at[p] == step:
+            self.next_due[p] = step + max(1, int(steps))
 
     def _push(self, p: int, grads=None) -> Push | None:
         theta = self.plan.extract(self.state.params, p)
@@ -237,6 +262,7 @@ class LearnerCore:
         )
         if self.blocking:
             self.outstanding[p] = self.state.step
+        self.pushed_at[p] = self.state.step
         meta = ContributionMeta(
             learner_id=self.learner_id,
             incarnation=self.incarnation,

@@ -37,6 +37,7 @@ from dloco.config import DP_ALGORITHMS, RunConfig
 from dloco.defence import rejection
 from dloco.fragments import FragmentPlan
 from dloco.policy import (
+    Beat,
     ContributionMeta,
     Decision,
     FragmentRound,
@@ -102,6 +103,7 @@ class SyncerCore:
         self.states = [outer.state_from_numpy(outer.outer_config(cfg), vals, s) for _, vals, s in fragments]
         self.registry = dict(registry)
         self.rounds = [FragmentRound(p, cfg.syncer.quorum) for p in range(plan.count)]
+        self.beats = [Beat(cfg.sync.every) for _ in range(plan.count)] if cfg.sync.dynamic else None
         self.norms = [self._tracker(h) for h in norms or [[] for _ in range(plan.count)]]
         self.timings = SyncerTimings(cfg.syncer.ema_decay)
         self.outer_step = outer.make_outer_step(outer.outer_config(cfg))
@@ -137,8 +139,20 @@ class SyncerCore:
         if not d.accept:
             return d
         self.timings.observe_step_time(meta.learner_id, meta.step_time)
+        if self.beats is not None and meta.cycle_time > 0:
+            self.timings.observe_cycle_time(meta.learner_id, meta.cycle_time)
         note = self.rounds[p].add(meta, payload, now)
-        return Decision(True, note or "accepted")
+        return Decision(True, note or "accepted", next_push=self._next_push(p, meta.learner_id, now))
+
+    def _next_push(self, p: int, learner_id: int, now: float) -> int | None:
+        """`sync.dynamic`: places the push on fragment p's beat and says in how many steps the
+        learner's next push of p is due (`Beat`), the period T being H × the fastest learner's
+        seconds per step, each learner's counted end to end (`cycle_time`)."""
+        fastest, own = self.timings.fastest_cycle_time, self.timings.cycle_time(learner_id)
+        if self.beats is None or not fastest or not own:
+            return None
+        period = self.cfg.sync.every * fastest
+        return self.beats[p].next_push(self.beats[p].place(now, period), period, own)
 
     def _check(self, p: int, meta: ContributionMeta, registry: Mapping[int, int], in_round: bool) -> Decision:
         """`check_meta` (the learner's tokens per step included), then `_check_replay`."""
@@ -181,7 +195,8 @@ class SyncerCore:
         """Fragments whose round closes now, and the seconds until the next deadline (or None)."""
         grace, due, wait = self.grace(), [], None
         for r in self.rounds:
-            d = self._elastic_decide(r, now) if self.elastic else r.decide(now, grace, live_learners)
+            until = None if self.beats is None else self.beats[r.fragment_id].at
+            d = self._elastic_decide(r, now) if self.elastic else r.decide(now, grace, live_learners, until)
             if d.close:
                 due.append(r.fragment_id)
             elif d.wait is not None:

@@ -53,7 +53,7 @@ def test_replace_revalidates():
     [
         (("sync.overlap=6",), r"sync.overlap=6 is invalid: must be < sync.every / fragments.count = 6"),
         (("syncer.quorum=5",), r"syncer.quorum=5 is invalid: must be <= learners.count=4"),
-        (("sync.bogus=1",), r"sync.bogus=1 is invalid: unknown key; allowed keys here: every, overlap"),
+        (("sync.bogus=1",), r"sync.bogus=1 is invalid: unknown key; allowed keys here: dynamic, every, overlap"),
         (("nosection.x=1",), r"nosection=.* unknown key"),
         (("sync.every=25",), r"sync.every=25 is invalid: must be a multiple of fragments.count=4"),
         (("fragments.count=30",), r"fragments.count=30 is invalid: must be <= sync.every=24"),
@@ -75,6 +75,10 @@ def test_replace_revalidates():
         (("inner.warmup_steps=400",), r"inner.warmup_steps=400 is invalid: must be < inner.total_steps=400"),
         (("budget.tokens=0",), r"budget.tokens=0 is invalid: set budget.tokens, budget.seconds or budget.steps > 0"),
         (("sync.every",), r"override='sync.every' is invalid: use dotted KEY=VALUE"),
+        (
+            ("algorithm=diloco", "sync.dynamic=true"),
+            r"sync.dynamic=True is invalid: is for algorithm=decoupled only \(diloco's learners push on a fixed",
+        ),
     ],
 )
 def test_invalid_values_name_field_value_and_fix(overrides, message):
@@ -106,6 +110,11 @@ def test_baselines_install_merges_as_their_papers_do():
         "dp": "overwrite",
         "elastic_dp": "overwrite",
     }
+
+
+def test_only_decoupled_times_its_pushes_dynamically_by_default():
+    dynamic = {a: config.load(overrides=(f"algorithm={a}",)).sync.dynamic for a in config.ALGORITHMS}
+    assert dynamic == {"decoupled": True, "diloco": False, "streaming": False, "dp": False, "elastic_dp": False}
 
 
 def test_numbers_in_any_notation_from_yaml_and_overrides(tmp_path):

@@ -202,3 +202,32 @@ def test_flush_pushes_each_fragments_unpushed_progress_off_schedule_after_its_pu
     _, _, dp = make(cache, "algorithm=dp")
     dp.step()
     assert dp.flush() == []
+
+
+def test_dynamic_schedule_follows_the_syncers_word_for_its_newest_push_only(cache):
+    """sync.dynamic: pushes start on the plan's offsets, then fall due where `retime` puts them;
+    a decision on an older push, or one without dynamic, changes nothing."""
+    cfg, bp, core = make(cache, "sync.every=8", "fragments.count=2", "sync.overlap=1", "sync.dynamic=true")
+    due = {}
+    for _ in range(30):
+        _, pushes = core.step()
+        for push in pushes:
+            due.setdefault(push.meta.fragment_id, []).append(push.meta.step)
+            if push.meta.fragment_id == 1 and push.meta.step == 4:
+                core.retime(1, 4, 5)  # the syncer: next push of fragment 1 in 5 steps
+            if push.meta.fragment_id == 0 and push.meta.step == 8:
+                core.retime(0, 8, 11)
+                core.retime(0, 7, 1)  # an older push's decision: ignored
+        for p, records in enumerate(core.pending_pushes):  # every push merged at once, as alone
+            if records:
+                core.install(p, core.versions[p] + 1, core.anchors[p], included_step=records[-1].step)
+    # fragment 1: offset 4, then +5 (told), then H = 8 (nothing told); fragment 0: 8, +11, then +8
+    assert due == {1: [4, 9, 17, 25], 0: [8, 19, 27]}
+    _, _, static = make(cache, "sync.every=8", "fragments.count=2", "sync.overlap=1")
+    steps = []
+    for _ in range(17):
+        _, pushes = static.step()
+        steps += [(p.meta.fragment_id, p.meta.step) for p in pushes]
+        for push in pushes:
+            static.retime(push.meta.fragment_id, push.meta.step, 1)  # no effect without sync.dynamic
+    assert steps == [(1, 4), (0, 8), (1, 12), (0, 16)]

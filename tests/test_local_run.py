@@ -67,3 +67,30 @@ def test_a_round_trip_longer_than_h_steps_merges_no_step_twice(tiny_run, tmp_pat
             assert step - steps >= last.get((e["fragment"], m), 0)
             last[e["fragment"], m] = step
     assert run.evaluate() < 4.2  # start 5.55; 3.66 measured (seed 0: 3.70)
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_dynamic_local_updates_merge_a_fleet_of_unequal_speeds_in_whole_rounds(tiny_run, tmp_path, dynamic):
+    """sync.dynamic (DyLU): after one period in which the beats lock, every round of each fragment
+    holds every learner's push, each covering the steps its speed fits into T = H × 1.0 s, and
+    the rounds are T apart. On the fixed schedule the same fleet drifts apart and nearly every
+    push is merged alone (its peers' progress reaches it a round late: the asynchrony cost)."""
+    cfg = config.load(
+        overrides=(*tiny_run, "learners.count=4", "data.shards=4", f"sync.dynamic={str(dynamic).lower()}")
+    )
+    speeds = [1.0, 1.1, 1.2, 1.3]
+    run = run_local(cfg, tmp_path, steps=64, step_times=speeds)
+    H, T = cfg.sync.every, cfg.sync.every * 1.0
+    steady = [e for e in run.events if e["event"] == "merge" and 2 * T < e["time"] < 64.0]  # learner 0 ends at 64 s
+    sizes = [len(e["contributors"]) for e in steady]
+    if not dynamic:
+        assert sum(sizes) / len(sizes) < 1.6
+        return
+    assert len(steady) >= 8 and sizes == [4] * len(steady)
+    for e in steady:  # each learner's steps: the most that fit before the beat (⌈(T − lateness)/ξ⌉ − 1)
+        for m, n in zip(e["contributors"], e["inner_steps"], strict=True):
+            assert abs(n * speeds[m] - T) <= speeds[m] + 1e-9, (m, n)
+        assert e["inner_steps"][0] in (H - 1, H)  # the fastest learner: H steps (H − 1 the first time)
+    for p in (0, 1):
+        times = [e["time"] for e in steady if e["fragment"] == p]
+        assert all(abs(b - a - T) < 1.0 for a, b in zip(times, times[1:], strict=False))

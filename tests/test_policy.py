@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dloco.policy import (
+    Beat,
     ContributionMeta,
     Decision,
     Ema,
@@ -267,6 +268,52 @@ def test_quorum_then_grace():
     # The deadline was fixed at 1.0 + 0.5; a later, larger grace does not move it.
     d = rnd.decide(1.5, grace=5.0)
     assert d.close and d.reason.startswith("grace window elapsed")
+
+
+def test_round_waits_for_its_beat():
+    """sync.dynamic: the deadline is max(quorum + grace, the beat), fixed when first decided."""
+    rnd = FragmentRound(0, quorum=1)
+    push(rnd, 0, 10.0)
+    d = rnd.decide(10.0, grace=0.5, live_learners=3, until=11.2)
+    assert not d.close and d.wait == pytest.approx(1.2)
+    push(rnd, 1, 10.9)
+    assert not rnd.decide(11.1, grace=0.5, live_learners=3, until=99.0).close  # the deadline stays 11.2
+    assert rnd.decide(11.2, grace=0.5, live_learners=3).close
+    # a beat already past: the grace window alone
+    rnd = FragmentRound(0, quorum=1)
+    push(rnd, 2, 20.0)
+    assert rnd.decide(20.0, grace=0.5, until=19.0).wait == pytest.approx(0.5)
+
+
+def test_beat_places_pushes_and_times_the_next_by_hand():
+    """T = 24 s (H = 24 at 1 s per step of the fastest learner); floor-before-the-beat steps."""
+    b = Beat(every=24)
+    assert b.place(100.0, 24.0) == 0.0 and b.at == 100.0  # the first push sets the phase
+    assert b.next_push(0.0, 24.0, 1.0) == 23  # 23 steps of 1 s: 1 s before beat 124
+    assert b.next_push(0.0, 24.0, 1.2) == 19  # ⌈20⌉ − 1 = 19 steps of 1.2 s: 22.8 s, before 124
+    assert b.next_push(-1.0, 24.0, 1.0) == 24  # 1 s early: ⌈25⌉ − 1 = 24, lands at 124 − 1 again
+    assert b.place(101.5, 24.0) == pytest.approx(1.5)  # late on beat 100
+    assert b.next_push(1.5, 24.0, 1.2) == 18  # ⌈22.5 / 1.2 = 18.75⌉ − 1 = 18: 21.6 s, at 123.1
+    assert b.place(123.1, 24.0) == pytest.approx(-0.9) and b.at == 124.0  # the next beat
+    assert b.place(112.0, 24.0) == pytest.approx(-12.0) and b.at == 124.0  # half way: the nearer (later) beat
+    assert b.place(130.0, 24.0) == pytest.approx(6.0) and b.at == 124.0  # late on 124, not moved back
+    assert b.place(200.0, 24.0) == pytest.approx(4.0) and b.at == 196.0  # a learner back after 3 periods
+    assert b.next_push(-11.0, 24.0, 1.0) == 34  # far early: one long period brings it back into phase
+    assert b.next_push(0.0, 24.0, 0.01) == 48 and b.next_push(30.0, 24.0, 1.0) == 1  # clamped to [1, 2H]
+    assert b.next_push(0.0, 24.0, 0.0) == 24  # no step time known: H
+    with pytest.raises(ValueError, match="period"):
+        b.place(1.0, 0.0)
+
+
+def test_syncer_timings_cycle_times_fastest_and_forgotten():
+    t = SyncerTimings(decay=0.5)
+    assert t.fastest_cycle_time is None and t.cycle_time(0) is None
+    for m, x in ((0, 1.2), (1, 1.0), (2, 1.1), (1, 2.0)):
+        t.observe_cycle_time(m, x)
+    assert t.cycle_time(1) == pytest.approx(1.5)  # 0.5·1.0 + 0.5·2.0
+    assert t.fastest_cycle_time == pytest.approx(1.1)
+    t.forget(2)
+    assert t.fastest_cycle_time == pytest.approx(1.2) and t.step_time is None
 
 
 def test_supersede_keeps_newer():

@@ -41,9 +41,10 @@ MAX_SCHEDULED_FAULTS = 1_000_000
 # by tokens; every learner installs the same AdamW update (see `dloco.outer`). diloco installs the
 # merged model as it is (the paper's overwrite) and waits for it right after its push (τ = 0: with
 # τ > 0 the overwrite would discard the τ steps trained meanwhile, 8 % of the compute at H = 24,
-# τ = 2); streaming blends, Streaming DiLoCo's mixing of the local and the merged fragment.
+# τ = 2); streaming blends, Streaming DiLoCo's mixing of the local and the merged fragment. The
+# blocking algorithms push on the fixed schedule (sync.dynamic off: they wait for each merge anyway).
 _DP = {
-    "sync": {"every": 1, "overlap": 0},
+    "sync": {"every": 1, "overlap": 0, "dynamic": False},
     "fragments": {"count": 1},
     "compression": {"dtype": "fp32", "error_feedback": False},
     "merge": {"rule": "mean"},
@@ -55,11 +56,11 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "elastic_dp": _DP,
     "diloco": {
         "fragments": {"count": 1},
-        "sync": {"overlap": 0},
+        "sync": {"overlap": 0, "dynamic": False},
         "syncer": {"grace_factor": 0.0},
         "learner": {"receive": "overwrite"},
     },
-    "streaming": {"syncer": {"grace_factor": 0.0}, "learner": {"receive": "blend"}},
+    "streaming": {"sync": {"dynamic": False}, "syncer": {"grace_factor": 0.0}, "learner": {"receive": "blend"}},
 }
 
 
@@ -109,6 +110,13 @@ class RunConfig:
                 self.merge.scale_by_share,
                 "must be true for Delayed Nesterov with syncer.quorum < learners.count (each partial merge "
                 "applies its share of the period's progress; or set outer.delay=1)",
+            )
+        if self.sync.dynamic:
+            _check(
+                self.algorithm == "decoupled",
+                "sync.dynamic",
+                True,
+                f"is for algorithm=decoupled only ({self.algorithm}'s learners push on a fixed schedule)",
             )
         if self.algorithm in BLOCKING_ALGORITHMS:
             _check(K == M, "syncer.quorum", K, f"must equal learners.count={M} for algorithm={self.algorithm} (K = M)")
@@ -208,27 +216,54 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ~1 B parameters (with the 32768-token BPE these presets train) for GPU or TPU learners,
     # computing in bfloat16 with float32 parameters, with 20 tokens per parameter as budget.
     "llama-micro": {
-        "model": {"family": "llama", "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 1,
-                  "tie_embeddings": False},
+        "model": {
+            "family": "llama",
+            "d_model": 32,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "n_layers": 1,
+            "tie_embeddings": False,
+        },
         "inner": {"batch_size": 4},
         "data": {"seq_len": 32, "max_bytes": 400_000},
     },
     "llama-125m": {
-        "model": {"family": "llama", "d_model": 768, "n_heads": 12, "n_kv_heads": 4, "n_layers": 12,
-                  "tie_embeddings": False, "dtype": "bfloat16"},
+        "model": {
+            "family": "llama",
+            "d_model": 768,
+            "n_heads": 12,
+            "n_kv_heads": 4,
+            "n_layers": 12,
+            "tie_embeddings": False,
+            "dtype": "bfloat16",
+        },
         **_LLAMA_TRAINING,
         "budget": {"tokens": 2_500_000_000},  # 20 tokens per parameter
     },
     "llama-350m": {
-        "model": {"family": "llama", "d_model": 1024, "n_heads": 16, "n_kv_heads": 8, "n_layers": 24,
-                  "tie_embeddings": False, "dtype": "bfloat16"},
+        "model": {
+            "family": "llama",
+            "d_model": 1024,
+            "n_heads": 16,
+            "n_kv_heads": 8,
+            "n_layers": 24,
+            "tie_embeddings": False,
+            "dtype": "bfloat16",
+        },
         **_LLAMA_TRAINING,
         "budget": {"tokens": 7_000_000_000},  # 20 tokens per parameter
     },
     "llama-1b": {
-        "model": {"family": "llama", "d_model": 2048, "n_heads": 32, "n_kv_heads": 8, "n_layers": 20,
-                  "tie_embeddings": False, "dtype": "bfloat16"},
+        "model": {
+            "family": "llama",
+            "d_model": 2048,
+            "n_heads": 32,
+            "n_kv_heads": 8,
+            "n_layers": 20,
+            "tie_embeddings": False,
+            "dtype": "bfloat16",
+        },
         **_LLAMA_TRAINING,
         "budget": {"tokens": 20_000_000_000},  # 20 tokens per parameter
     },
-}  # fmt: skip
+}

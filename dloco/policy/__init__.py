@@ -20,10 +20,11 @@ from dloco.policy.checks import (
     check_meta,
     check_values,
 )
-from dloco.policy.rounds import Ema, FragmentRound, RoundDecision, SyncerTimings, grace_window
+from dloco.policy.rounds import Beat, Ema, FragmentRound, RoundDecision, SyncerTimings, grace_window
 
 __all__ = [
     "ACCEPTED",
+    "Beat",
     "ContributionMeta",
     "Decision",
     "Ema",

@@ -53,6 +53,7 @@ class Decision:
     accept: bool
     reason: str
     version: int | None = None  # the fragment's version at the syncer when it decided (told to the pusher)
+    next_push: int | None = None  # `sync.dynamic`: the pusher's next push of the fragment is due this many steps on
 
 
 ACCEPTED = Decision(True, "accepted")

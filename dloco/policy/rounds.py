@@ -86,6 +86,7 @@ class SyncerTimings:
         Ema(decay)  # validates decay
         self.decay = decay
         self._step: dict[int, Ema] = {}
+        self._cycle: dict[int, Ema] = {}
         self._quorum = Ema(decay)
         self._sync = Ema(decay)
 
@@ -102,14 +103,31 @@ class SyncerTimings:
         self._sync.update(seconds)
 
     def forget(self, learner_id: int) -> None:
-        """Drops a learner's step-time EMA (it died, or restarts with a fresh one)."""
+        """Drops a learner's step-time and cycle EMAs (it died, or restarts with fresh ones)."""
         self._step.pop(learner_id, None)
+        self._cycle.pop(learner_id, None)
 
     @property
     def step_time(self) -> float | None:
         """ξ_step: the median of the per-learner EMAs, or None if no learner reported yet."""
         values = [e.value for e in self._step.values() if e.value is not None]
         return float(statistics.median(values)) if values else None
+
+    def observe_cycle_time(self, learner_id: int, seconds: float) -> None:
+        """Folds a learner's reported seconds per step end to end (`cycle_time`: the step, its
+        pushes, polls and installs) into its own EMA; what a learner's pushes are timed by."""
+        self._cycle.setdefault(learner_id, Ema(self.decay)).update(seconds)
+
+    def cycle_time(self, learner_id: int) -> float | None:
+        """Learner m's EMA of seconds per step end to end, or None if it has not reported."""
+        e = self._cycle.get(learner_id)
+        return None if e is None else e.value
+
+    @property
+    def fastest_cycle_time(self) -> float | None:
+        """The smallest per-learner cycle EMA (the fastest learner's seconds per step), or None."""
+        values = [e.value for e in self._cycle.values() if e.value is not None]
+        return min(values) if values else None
 
     @property
     def quorum_time(self) -> float | None:
@@ -155,6 +173,58 @@ class SyncerTimings:
         timings._quorum.value = state["quorum_time"]
         timings._sync.value = state["sync_time"]
         return timings
+
+
+# --------------------------------------------------------------------------------------------
+# Dynamic local updates: the per-fragment beat
+# --------------------------------------------------------------------------------------------
+
+
+class Beat:
+    """A fragment's push clock under dynamic local updates (`sync.dynamic`; Liu et al. 2024,
+    *Asynchronous Local-SGD*, DyLU), phase-locked on the syncer's clock.
+
+    Beats fall one period T apart; the fragment's first push sets their phase. A push arriving at
+    time a belongs to the nearest beat b ≥ the last one placed (|a − b| ≤ T/2 once the phase is
+    set), and its lateness is a − b. The pusher's next push of the fragment is due
+
+        n = clamp(⌈(T − lateness) / ξ_m⌉ − 1, 1, 2H)   steps after this one,
+
+    ξ_m being its seconds per step: it then arrives less than one of its steps before beat b + T,
+    whatever its speed and its latency to the syncer (both measured where they act, so no clock is
+    compared with another). Aiming just before the beat rather than at it puts every push of a
+    period into the round that closes there (`FragmentRound.decide`'s `until`). A push more
+    than T/2 off its beat (a learner that restarted or was frozen) is told the n that brings it
+    back into phase.
+
+    Args:
+        every: H, the steps the fastest learner takes in one period (bounds n at 2H).
+    """
+
+    def __init__(self, every: int):
+        self.every = every
+        self.at: float | None = None  # the newest beat a push was placed on
+
+    def place(self, arrival: float, period: float) -> float:
+        """Places a push that arrived at `arrival` on its beat (moving `at` forward); returns its lateness."""
+        if not (math.isfinite(period) and period > 0):
+            raise ValueError(f"period must be finite and > 0, got {period}")
+        if self.at is None:
+            self.at = arrival
+        k = round((arrival - self.at) / period)
+        beat = self.at + k * period
+        self.at = max(self.at, beat)
+        return arrival - beat
+
+    def next_push(self, lateness: float, period: float, step_time: float) -> int:
+        """n: in how many of its steps (`step_time` s each) the pusher's next push is due."""
+        if not (math.isfinite(step_time) and step_time > 0):
+            return self.every
+        # ⌈x⌉ − 1 for x = (T − lateness)/ξ_m: the largest n with n·ξ_m < T − lateness, so the push
+        # lands strictly before the beat (one at the beat itself may find its round just closed);
+        # − 1e-6 keeps float rounding from adding a step to an exact x
+        n = math.ceil((period - lateness) / step_time - 1e-6) - 1
+        return int(min(max(n, 1), 2 * self.every))
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,17 +328,21 @@ class FragmentRound:
             self._quorum_time = now - self._first_push_at
         return None
 
-    def decide(self, now: float, grace: float, live_learners: int | None = None) -> RoundDecision:
+    def decide(
+        self, now: float, grace: float, live_learners: int | None = None, until: float | None = None
+    ) -> RoundDecision:
         """Whether the round closes at time ``now``.
 
         Not closable while |pending| < K. Closes at once when ``live_learners`` is given and
         |pending| >= live_learners (waiting cannot add anyone), else when
-        ``now >= quorum_reached_at + grace``.
+        ``now >= max(quorum_reached_at + grace, until)``.
 
         Args:
             now: current time on the caller's clock.
             grace: ξ_grace in seconds, used only to fix the deadline (see class docstring).
             live_learners: how many learners are alive, or None if unknown.
+            until: the beat the round's pushes aim at (`Beat`, `sync.dynamic`), or None; like
+                `grace` it is read once, when the deadline is fixed.
         """
         if not (math.isfinite(grace) and grace >= 0):
             raise ValueError(f"grace must be finite and >= 0, got {grace}")
@@ -283,7 +357,7 @@ class FragmentRound:
             )
         if self._deadline is None:
             assert self._quorum_reached_at is not None, "n >= K, so add() recorded when the quorum was reached"
-            self._deadline = self._quorum_reached_at + grace
+            self._deadline = max(self._quorum_reached_at + grace, until if until is not None else -math.inf)
         left = self._deadline - now
         if left <= 0:
             return RoundDecision(True, f"grace window elapsed ({n} pending, quorum {k})", None)

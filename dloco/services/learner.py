@@ -149,6 +149,8 @@ class LearnerService:
         in the mail already (a push crossed it on the wire, which latency makes common), so it
         fetches only if the mail has not brought it within `chaos.resend_s` (the time after which
         a blocking learner takes a merge for lost, too) (`catch_up_due`)."""
+        if d is not None and d.accept and d.next_push is not None:
+            self.core.retime(meta.fragment_id, meta.step, d.next_push)  # sync.dynamic
         if d is None or d.accept or d.version is None or self.core.blocking:
             return  # (blocking algorithms wait for every merge: they are never behind)
         stale = d.reason.startswith("stale")
