@@ -165,10 +165,15 @@ class Learner:
             self._check_mail(block=True, timeout=min(0.5, max(0.01, deadline - time.monotonic())))
         svc.events.append(
             events.LearnerDrain(
-                time=time.time(), learner=self.learner_id, incarnation=svc.incarnation, step=svc.core.step_count,
-                pushed=pushed, merged=svc.drained(), seconds=time.monotonic() - self._notice,
+                time=time.time(),
+                learner=self.learner_id,
+                incarnation=svc.incarnation,
+                step=svc.core.step_count,
+                pushed=pushed,
+                merged=svc.drained(),
+                seconds=time.monotonic() - self._notice,
             ).to_dict()
-        )  # fmt: skip
+        )
         with contextlib.suppress(RayError):  # deregistered: no mail, no share of the merges (until it registers again)
             ray.get([a.retire.remote(self.learner_id) for a in self.stores], timeout=5.0)
         t = time.monotonic()

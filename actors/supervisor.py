@@ -355,11 +355,20 @@ class RunHandle:
             self._record(events.RunFailed(time=time.time(), error=self.fatal).to_dict())
         with self._lock:
             self.summary = summarize(
-                self.tally, config=self.cfg_dict, stop_at=stop_at, end=end, eval_loss_start=self.eval_loss_start,
-                eval_loss_end=end_loss, tokens_trained=self.tokens_trained(), statuses=dict(self.status_by),
-                store=store, learners=len(self.learners), run_dir=str(self.run_dir), error=self.fatal,
+                self.tally,
+                config=self.cfg_dict,
+                stop_at=stop_at,
+                end=end,
+                eval_loss_start=self.eval_loss_start,
+                eval_loss_end=end_loss,
+                tokens_trained=self.tokens_trained(),
+                statuses=dict(self.status_by),
+                store=store,
+                learners=len(self.learners),
+                run_dir=str(self.run_dir),
+                error=self.fatal,
                 auth_mode=self.auth_mode,
-            )  # fmt: skip
+            )
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2, default=str))
         self._done.set()
 

@@ -31,8 +31,10 @@ from dloco.tally import Tally
 def synthetic_events(n: int, learners: int = 8, fragments: int = 4, seed_time: float = 1_800_000_000.0):
     """n events of a decoupled run: merges at K = 1 (one per push), evals, goodput, restarts."""
     t, step = seed_time, [0] * learners
-    out = [{"event": "learner_start", "time": t, "learner": m, "incarnation": 1, "cursor": None, "step": 0}
-           for m in range(learners)]  # fmt: skip
+    out = [
+        {"event": "learner_start", "time": t, "learner": m, "incarnation": 1, "cursor": None, "step": 0}
+        for m in range(learners)
+    ]
     version = [0] * fragments
     i = 0
     while len(out) < n:
@@ -41,19 +43,49 @@ def synthetic_events(n: int, learners: int = 8, fragments: int = 4, seed_time: f
         m, p = i % learners, (i // learners) % fragments
         step[m] += 6
         version[p] += 1
-        out.append({
-            "event": "merge", "time": t, "fragment": p, "version": version[p], "contributors": [m],
-            "incarnations": [1], "steps": [step[m]], "tokens": [6 * 512], "inner_steps": [24],
-            "weights": [1.0], "share": 0.25, "staleness": [3], "cycle_s": [0.21], "grace_s": 0.0,
-            "grace_window_s": 0.0, "slack_s": 0.0, "bytes_in": 57_344, "bytes_out": 229_376, "rejected": 0,
-            "sync_s": 0.011, "push_age_s": [0.02], "t": t - seed_time,
-        })  # fmt: skip
+        out.append(
+            {
+                "event": "merge",
+                "time": t,
+                "fragment": p,
+                "version": version[p],
+                "contributors": [m],
+                "incarnations": [1],
+                "steps": [step[m]],
+                "tokens": [6 * 512],
+                "inner_steps": [24],
+                "weights": [1.0],
+                "share": 0.25,
+                "staleness": [3],
+                "cycle_s": [0.21],
+                "grace_s": 0.0,
+                "grace_window_s": 0.0,
+                "slack_s": 0.0,
+                "bytes_in": 57_344,
+                "bytes_out": 229_376,
+                "rejected": 0,
+                "sync_s": 0.011,
+                "push_age_s": [0.02],
+                "t": t - seed_time,
+            }
+        )
         if i % 100 == 0:
             out.append({"event": "eval", "time": t, "loss": 3.0, "tokens": i * 3072, "t": t - seed_time})
             out.append({"event": "goodput", "time": t, "goodput": 0.9, "uptime": 1.0, "t": t - seed_time})
         if i % 5000 == 0:
-            out.append({"event": "rejection", "time": t, "fragment": p, "learner": m, "incarnation": 1,
-                        "step": step[m], "base_version": 0, "reason": "stale", "t": t - seed_time})  # fmt: skip
+            out.append(
+                {
+                    "event": "rejection",
+                    "time": t,
+                    "fragment": p,
+                    "learner": m,
+                    "incarnation": 1,
+                    "step": step[m],
+                    "base_version": 0,
+                    "reason": "stale",
+                    "t": t - seed_time,
+                }
+            )
     return out[:n]
 
 
@@ -117,8 +149,15 @@ def measure(cls, events, fragments: int) -> dict:
     t0 = time.perf_counter()
     goodput, uptime = rec.goodput(end)
     t_goodput = time.perf_counter() - t0
-    return {"memory_mib": held / 2**20, "feed_s": feed, "status_s": t_status, "goodput_s": t_goodput,
-            "merges": status["merges"], "goodput": goodput, "uptime": uptime}  # fmt: skip
+    return {
+        "memory_mib": held / 2**20,
+        "feed_s": feed,
+        "status_s": t_status,
+        "goodput_s": t_goodput,
+        "merges": status["merges"],
+        "goodput": goodput,
+        "uptime": uptime,
+    }
 
 
 def main() -> None:

@@ -142,8 +142,13 @@ def rss_growth(samples: list[dict], name: str, warmup: float, settle: float = 30
     if not grown:
         return {"start_mb": None, "end_mb": None, "growth": None, "max_growth": None, "pids": len(by_pid)}
     _, start, end, growth = max(grown)
-    return {"start_mb": start / 2**20, "end_mb": end / 2**20, "growth": growth,
-            "max_growth": max(g for *_, g in grown), "pids": len(by_pid)}  # fmt: skip
+    return {
+        "start_mb": start / 2**20,
+        "end_mb": end / 2**20,
+        "growth": growth,
+        "max_growth": max(g for *_, g in grown),
+        "pids": len(by_pid),
+    }
 
 
 def versions_check(events: list[dict], final: list[int]) -> dict:
@@ -336,9 +341,20 @@ def report(result: dict) -> str:
     """A Markdown section of a soak.json result (for docs/RESULTS.md)."""
     rows = result["rows"]
     head = [
-        "algorithm", "minutes", "learner kills", "syncer kills", "store kills", "freezes", "pushes lost",
-        "merges", "versions lost", "NaN", "uptime", "RSS driver / store / syncer", "checks",
-    ]  # fmt: skip
+        "algorithm",
+        "minutes",
+        "learner kills",
+        "syncer kills",
+        "store kills",
+        "freezes",
+        "pushes lost",
+        "merges",
+        "versions lost",
+        "NaN",
+        "uptime",
+        "RSS driver / store / syncer",
+        "checks",
+    ]
 
     def rss(r):
         return " / ".join(
@@ -348,13 +364,21 @@ def report(result: dict) -> str:
 
     body = [
         [
-            r["algorithm"], f"{r['seconds'] / 60:g}", *(str(r["faults"][k]) for k in
-            ("learner_kills", "syncer_kills", "store_kills", "freezes", "payloads_lost")),
-            str(r["merges"]), str(r["versions"]["lost"]), "0" if r["checks"]["0 NaN"] else "yes",
-            "-" if r["uptime"] is None else f"{r['uptime']:.3f}", rss(r), "pass" if r["passed"] else "FAIL",
+            r["algorithm"],
+            f"{r['seconds'] / 60:g}",
+            *(
+                str(r["faults"][k])
+                for k in ("learner_kills", "syncer_kills", "store_kills", "freezes", "payloads_lost")
+            ),
+            str(r["merges"]),
+            str(r["versions"]["lost"]),
+            "0" if r["checks"]["0 NaN"] else "yes",
+            "-" if r["uptime"] is None else f"{r['uptime']:.3f}",
+            rss(r),
+            "pass" if r["passed"] else "FAIL",
         ]
         for r in rows
-    ]  # fmt: skip
+    ]
     failed = [f"{r['algorithm']}: {k}" for r in rows for k, ok in r["checks"].items() if not ok]
     return "\n".join(
         [

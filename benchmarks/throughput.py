@@ -50,14 +50,26 @@ from dloco.learner import LearnerCore  # noqa: E402
 CPU_MODELS = {
     "classic tiny (d128, 2 layers)": ("preset=tiny",),
     "llama d256, 4 layers, GQA 8/2": (
-        "preset=llama-micro", "model.d_model=256", "model.n_heads=8", "model.n_kv_heads=2", "model.n_layers=4",
-        "data.seq_len=128", "inner.batch_size=8",
+        "preset=llama-micro",
+        "model.d_model=256",
+        "model.n_heads=8",
+        "model.n_kv_heads=2",
+        "model.n_layers=4",
+        "data.seq_len=128",
+        "inner.batch_size=8",
     ),
     "llama d256, 4 layers, MoE 4×top-2": (
-        "preset=llama-micro", "model.d_model=256", "model.n_heads=8", "model.n_kv_heads=2", "model.n_layers=4",
-        "model.n_experts=4", "model.experts_per_token=2", "data.seq_len=128", "inner.batch_size=8",
+        "preset=llama-micro",
+        "model.d_model=256",
+        "model.n_heads=8",
+        "model.n_kv_heads=2",
+        "model.n_layers=4",
+        "model.n_experts=4",
+        "model.experts_per_token=2",
+        "data.seq_len=128",
+        "inner.batch_size=8",
     ),
-}  # fmt: skip
+}
 GPU_MODELS = {
     "llama-125m (bf16)": ("preset=llama-125m", "data.tokenizer=byte", "model.vocab_size=32768", "inner.batch_size=16"),
 }
@@ -132,10 +144,13 @@ def main() -> int:
         "rows": rows,
         "steps": args.steps,
         "reps": args.reps,
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                    "devices": [str(d) for d in jax.devices()]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            "devices": [str(d) for d in jax.devices()],
+        },
         "versions": {"jax": jax.__version__},
-    }  # fmt: skip
+    }
     out.write_text(json.dumps(doc, indent=2))
     print(f"wrote {out}")
     return 0

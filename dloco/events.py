@@ -249,11 +249,31 @@ class Chaos(Event):
 
 KINDS: dict[str, type[Event]] = {
     c.EVENT: c
-    for c in (StoreStart, SyncerStart, LearnerStart, LearnerRestart, LearnerStop, LearnerDrain, SpareStart,
-              SpareTakeover, Rejection, Merge,
-              RoundEmpty, CommitRejected, SyncerError, StoreError, ActorError, RunFailed, PayloadLost, PayloadResent,
-              Fault, Eval, Goodput, Chaos)
-}  # fmt: skip
+    for c in (
+        StoreStart,
+        SyncerStart,
+        LearnerStart,
+        LearnerRestart,
+        LearnerStop,
+        LearnerDrain,
+        SpareStart,
+        SpareTakeover,
+        Rejection,
+        Merge,
+        RoundEmpty,
+        CommitRejected,
+        SyncerError,
+        StoreError,
+        ActorError,
+        RunFailed,
+        PayloadLost,
+        PayloadResent,
+        Fault,
+        Eval,
+        Goodput,
+        Chaos,
+    )
+}
 
 
 def parse(d: Mapping[str, Any]) -> Event:

@@ -195,8 +195,15 @@ def fig_goodput(runs: list[Run], path: Path) -> Path:
         ax[0, 1].plot(gt, gv, marker="o", ms=3, color=line.get_color(), label=f"{r.label}: goodput")
         if "goodput" in r.summary:
             end = r.summary.get("wall_time_s") or (gt[-1] if gt else 0.0)
-            ax[0, 1].plot([end], [r.summary["goodput"]], marker="*", ms=12, ls="none", color=line.get_color(),
-                          label=f"{r.label}: summary goodput {r.summary['goodput']:.3f}")  # fmt: skip
+            ax[0, 1].plot(
+                [end],
+                [r.summary["goodput"]],
+                marker="*",
+                ms=12,
+                ls="none",
+                color=line.get_color(),
+                label=f"{r.label}: summary goodput {r.summary['goodput']:.3f}",
+            )
     ax[0, 1].set_ylim(bottom=0)
     _finish(ax[0, 0], "run time (s)", "tokens", "Tokens trained and merged")
     _finish(ax[0, 1], "run time (s)", "goodput", "Goodput over time")
@@ -210,8 +217,14 @@ def fig_wire(runs: list[Run], path: Path) -> Path:
     for r in runs:
         t, bi, bo = wire_series(r)
         (line,) = a.step(t, [b / 1e6 for b in bi], where="post", label=f"{r.label}: learners → syncer")
-        a.step(t, [b / 1e6 for b in bo], where="post", ls="--", color=line.get_color(),
-               label=f"{r.label}: syncer → learners (one copy)")  # fmt: skip
+        a.step(
+            t,
+            [b / 1e6 for b in bo],
+            where="post",
+            ls="--",
+            color=line.get_color(),
+            label=f"{r.label}: syncer → learners (one copy)",
+        )
     _finish(a, "run time (s)", "MB (cumulative)", "Bytes on the wire (merged payloads, published fragments)")
     fig.savefig(path)
     return path

@@ -89,8 +89,13 @@ class Copies:
 
     def stats(self) -> dict[str, int]:
         """Bytes held now and at most, the limit, copies held and copies dropped for the limit."""
-        return {"bytes": self.bytes, "peak_bytes": self.peak, "limit_bytes": self.limit,
-                "copies": len(self._held), "dropped": self.dropped}  # fmt: skip
+        return {
+            "bytes": self.bytes,
+            "peak_bytes": self.peak,
+            "limit_bytes": self.limit,
+            "copies": len(self._held),
+            "dropped": self.dropped,
+        }
 
     def version(self, learner: int, p: int) -> int | None:
         held = self._held.get((learner, p))

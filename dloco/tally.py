@@ -36,8 +36,14 @@ def push_progress(
         new = max(0, step - max(hi, step - n))
         merged_to[(int(m), p)] = max(hi, step)
         per_step = tok / n if n else 0.0
-        out.append({"time": float(e["time"]), "learner": int(m), "seconds": new * cycle / fragments,
-                    "tokens": new * per_step / fragments})  # fmt: skip
+        out.append(
+            {
+                "time": float(e["time"]),
+                "learner": int(m),
+                "seconds": new * cycle / fragments,
+                "tokens": new * per_step / fragments,
+            }
+        )
     return out
 
 

@@ -171,8 +171,12 @@ def test_syncer_scale_quick_writes_a_row_per_cell_and_its_section(tmp_path):
     run_script("syncer_scale.py", "--quick", "--repeat", "1", "--out", str(out))
     d = json.loads(out.read_text())
     cells = [(r["params"], r["shards"], r["learners"], r["shard_params"]) for r in d["rows"]]
-    assert cells == [(2_000_000, 1, 2, 2_000_000), (2_000_000, 1, 4, 2_000_000), (2_000_000, 2, 2, 1_000_000),
-                     (2_000_000, 2, 4, 1_000_000)]  # fmt: skip
+    assert cells == [
+        (2_000_000, 1, 2, 2_000_000),
+        (2_000_000, 1, 4, 2_000_000),
+        (2_000_000, 2, 2, 1_000_000),
+        (2_000_000, 2, 4, 1_000_000),
+    ]
     for r in d["rows"]:
         parts = r["screen_s"] + r["merge_s"] + r["outer_s"] + r["publish_s"] + r["wal_s"]
         assert r["commit_s"] == pytest.approx(parts) and r["commits_per_s"] == pytest.approx(1 / parts)

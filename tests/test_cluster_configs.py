@@ -199,8 +199,11 @@ def cluster_nodes(run_path: Path) -> tuple[str, list[dict[str, float]]] | None:
 @pytest.mark.parametrize("path", of_kind("runconfig"), ids=ids(of_kind("runconfig")))
 def test_learner_groups_fit_a_node_type_of_their_cluster(path):
     cfg = config.load(path)
-    groups = cfg.learners.groups or (config.LearnerGroup("default", cfg.learners.count, 0, cfg.learners.num_cpus,
-                                                         cfg.learners.num_gpus, cfg.learners.resources),)  # fmt: skip
+    groups = cfg.learners.groups or (
+        config.LearnerGroup(
+            "default", cfg.learners.count, 0, cfg.learners.num_cpus, cfg.learners.num_gpus, cfg.learners.resources
+        ),
+    )
     paired = cluster_nodes(path)
     if paired is None:  # a single-machine config: `dloco train` starts a local cluster without custom resources
         assert all(not g.resources for g in groups), f"{path.name} asks for custom resources but has no cluster file"

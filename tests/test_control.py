@@ -9,8 +9,17 @@ import pytest
 from actors.cli import main
 from dloco import control
 
-STATUS = {"elapsed_s": 42.0, "tokens_trained": 12_345, "budget_tokens": 400_000, "merges": 7, "rejected": 1,
-          "eval_loss": 3.5, "learners": {0: {"step": 3}, 1: {"step": 4}}, "errors": {}, "last_error": None}  # fmt: skip
+STATUS = {
+    "elapsed_s": 42.0,
+    "tokens_trained": 12_345,
+    "budget_tokens": 400_000,
+    "merges": 7,
+    "rejected": 1,
+    "eval_loss": 3.5,
+    "learners": {0: {"step": 3}, 1: {"step": 4}},
+    "errors": {},
+    "last_error": None,
+}
 
 
 def test_the_status_is_read_back_with_its_state(tmp_path):

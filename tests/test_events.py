@@ -37,7 +37,7 @@ def test_every_kind_round_trips_through_json():
             rejected=0,
             sync_s=0.01,
             push_age_s=[0.02, 0.03],
-        ),  # fmt: skip
+        ),
         events.RoundEmpty(time=7.0, fragment=0, version=3),
         events.CommitRejected(time=7.5, fragment=0, reason="version conflict"),
         events.SyncerError(time=8.0, error="RuntimeError()", trace="..."),

@@ -117,8 +117,18 @@ def test_the_running_tally_equals_the_batch_functions_on_the_same_events():
     assert t.longest_commit_gaps(100.0) == pytest.approx(metrics.longest_commit_gaps(events, 0.0, 100.0))
     assert t.counts["merge"] == 4 and len(t.recent) == 4 and t.recent[-1]["event"] == "learner_stop"
     # a lock-step run: a commit every second, none between 50 and 58
-    lock = [{"event": "merge", "time": float(s), "fragment": 0, "contributors": [], "steps": [], "inner_steps": [],
-             "tokens": []} for s in [*range(1, 51), *range(58, 100)]]  # fmt: skip
+    lock = [
+        {
+            "event": "merge",
+            "time": float(s),
+            "fragment": 0,
+            "contributors": [],
+            "steps": [],
+            "inner_steps": [],
+            "tokens": [],
+        }
+        for s in [*range(1, 51), *range(58, 100)]
+    ]
     t = Tally(fragments=1, stall_threshold=2.0, start=0.0)
     for e in lock:
         t.add(e)

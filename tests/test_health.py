@@ -7,8 +7,18 @@ from dloco.tally import Tally, summarize
 
 
 def _merge(t, fragment=0):
-    return {"event": "merge", "time": t, "fragment": fragment, "version": 1, "contributors": [0],
-            "incarnations": [1], "steps": [4], "inner_steps": [4], "tokens": [64], "cycle_s": [0.1]}  # fmt: skip
+    return {
+        "event": "merge",
+        "time": t,
+        "fragment": fragment,
+        "version": 1,
+        "contributors": [0],
+        "incarnations": [1],
+        "steps": [4],
+        "inner_steps": [4],
+        "tokens": [64],
+        "cycle_s": [0.1],
+    }
 
 
 def test_commit_failures_start_a_clock_that_a_merge_stops():
@@ -43,8 +53,19 @@ def test_a_kill_during_start_up_is_a_restart():
     tally.add({"event": "learner_start", "time": 4.0, "learner": 1, "incarnation": 1})  # never registered before
     tally.add({"event": "fault", "time": 6.0, "target": "learner-0", "kind": "kill", "source": "manual"})
     tally.add({"event": "learner_restart", "time": 9.0, "learner": 0, "incarnation": 2})
-    s = summarize(tally, config={}, stop_at=10.0, end=10.0, eval_loss_start=5.0, eval_loss_end=None,
-                  tokens_trained=0, statuses={}, store={"versions": [0]}, learners=2, run_dir="r")  # fmt: skip
+    s = summarize(
+        tally,
+        config={},
+        stop_at=10.0,
+        end=10.0,
+        eval_loss_start=5.0,
+        eval_loss_end=None,
+        tokens_trained=0,
+        statuses={},
+        store={"versions": [0]},
+        learners=2,
+        run_dir="r",
+    )
     assert s["restarts"] == 2 and s["downtime_s"] == [3.0, 3.0]
     assert s["error"] is None and s["errors"] == {}
 
@@ -58,8 +79,19 @@ def test_a_registration_from_before_a_kill_that_arrives_after_it_is_not_the_rest
     tally.add({"event": "fault", "time": 1.0, "target": "learner-1", "kind": "kill", "source": "manual"})
     tally.add({"event": "learner_start", "time": 0.9, "learner": 1, "incarnation": 1})  # arrives late
     tally.add({"event": "learner_restart", "time": 5.0, "learner": 1, "incarnation": 2})
-    s = summarize(tally, config={}, stop_at=10.0, end=10.0, eval_loss_start=5.0, eval_loss_end=None,
-                  tokens_trained=0, statuses={}, store={"versions": [0]}, learners=2, run_dir="r")  # fmt: skip
+    s = summarize(
+        tally,
+        config={},
+        stop_at=10.0,
+        end=10.0,
+        eval_loss_start=5.0,
+        eval_loss_end=None,
+        tokens_trained=0,
+        statuses={},
+        store={"versions": [0]},
+        learners=2,
+        run_dir="r",
+    )
     assert s["restarts"] == 1 and s["downtime_s"] == [4.0]
 
 

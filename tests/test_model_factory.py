@@ -46,7 +46,10 @@ def test_a_model_of_your_own_trains_merges_and_exports(user_model, tiny_run, tmp
     cfg = config.load(overrides=(*tiny_run, f"model.factory={user_model}", "learners.count=2"))
     bp = build.blueprint(cfg)
     assert type(bp.model).__name__ == "Bigram" and set(flatten(bp.plan.join(list(bp.initial)))) == {
-        "embed/embedding", "out/kernel", "out/bias"}  # fmt: skip
+        "embed/embedding",
+        "out/kernel",
+        "out/bias",
+    }
     assert bp.plan.fragments[0].embedding and bp.plan.fragments[0].names == ("embed/embedding",)
     run_dir = tmp_path / "run"
     preflight.record(preflight.check(cfg, run_dir), cfg)

@@ -32,12 +32,18 @@ def test_importing_every_module_loads_no_ray():
     assert out.stdout.strip() == "False"
 
 
-def test_no_module_of_the_library_or_the_actors_is_over_400_lines():
-    """Files are split along their seams before they grow past what one reading holds."""
-    long = {}
+def test_modules_are_split_before_they_outgrow_one_reading_and_never_squeezed_to_fit():
+    """A module of the library or the actors past ~500 lines is split along its seams; no code
+    switches the formatter off (ruff's skip and off comments) to fit a number or a layout of its own."""
+    long, skips = {}, []
     for root in (ROOT, ROOT.parent / "actors"):
         for path in root.rglob("*.py"):
             n = len(path.read_text().splitlines())
-            if n > 400:
+            if n > 500:
                 long[str(path.relative_to(ROOT.parent))] = n
-    assert long == {}
+    for root in (ROOT, ROOT.parent / "actors", ROOT.parent / "tests", ROOT.parent / "benchmarks"):
+        for path in root.rglob("*.py"):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if ("fmt: " + "skip") in line or ("fmt: " + "off") in line:
+                    skips.append(f"{path.relative_to(ROOT.parent)}:{i}")
+    assert long == {} and skips == []

@@ -379,8 +379,11 @@ def test_a_store_that_cannot_start_fails_the_start_in_one_line_and_leaves_nothin
     def record_then_race(pf, cfg):
         path = record(pf, cfg)
         (pf.run_dir / "store").mkdir()
-        holders.append(subprocess.Popen([sys.executable, "-c", hold, str(pf.run_dir / "store" / "LOCK")],
-                                        stdout=subprocess.PIPE, text=True))  # fmt: skip
+        holders.append(
+            subprocess.Popen(
+                [sys.executable, "-c", hold, str(pf.run_dir / "store" / "LOCK")], stdout=subprocess.PIPE, text=True
+            )
+        )
         assert holders[0].stdout is not None and holders[0].stdout.readline().strip() == "held"
         return path
 

@@ -64,10 +64,25 @@ def test_eval_merge_rejection_restart_scalars(tmp_path):
             }
         )
         assert n == 7 + 3
-        sink.write({"event": "merge", "fragment": 0, "version": 1, "contributors": [0], "tokens": [8192],
-                    "steps": [16], "inner_steps": [16],
-                    "staleness": [0], "grace_s": 0.0, "grace_window_s": 0.3, "slack_s": 0.6, "bytes_in": 100,
-                    "bytes_out": 200, "time": 1011.0, "t": 13.4})  # fmt: skip
+        sink.write(
+            {
+                "event": "merge",
+                "fragment": 0,
+                "version": 1,
+                "contributors": [0],
+                "tokens": [8192],
+                "steps": [16],
+                "inner_steps": [16],
+                "staleness": [0],
+                "grace_s": 0.0,
+                "grace_window_s": 0.3,
+                "slack_s": 0.6,
+                "bytes_in": 100,
+                "bytes_out": 200,
+                "time": 1011.0,
+                "t": 13.4,
+            }
+        )
         sink.write({"event": "rejection", "time": 1012.0, "t": 14.0, "fragment": 0, "learner": 2, "reason": "stale"})
         sink.write({"event": "rejection", "time": 1013.0, "t": 15.0, "fragment": 1, "learner": 2, "reason": "stale"})
         sink.write({"event": "learner_restart", "time": 1014.0, "t": 16.0, "learner": 0, "incarnation": 2})

@@ -201,16 +201,24 @@ def _nelder_mead(f: Callable, x0: np.ndarray, iters: int = 2000, tol: float = 1e
 
 
 def calibrate(
-    base: FleetParams = FleetParams(), target: dict = PAPER_TABLE1, chips: Sequence[int] = PAPER_CHIPS,
-    rows: Sequence[str] = CALIBRATION_ROWS, fit_notice: bool = True,
-) -> Calibration:  # fmt: skip
+    base: FleetParams = FleetParams(),
+    target: dict = PAPER_TABLE1,
+    chips: Sequence[int] = PAPER_CHIPS,
+    rows: Sequence[str] = CALIBRATION_ROWS,
+    fit_notice: bool = True,
+) -> Calibration:
     """Least squares (percentage points) over `rows` of `target` for W, F, L and E[R] (θ = x², so
     ≥ 0; Nelder–Mead from three starts); J, s, ℓ, MTBI and the recovery mixture's shape from `base`."""
 
     def params(x: np.ndarray) -> FleetParams:
         w, f, lost, r = (float(v) for v in x**2)
-        return replace(base, notice_s=w if fit_notice else base.notice_s, restart_s=f, lost_s=lost,
-                       recovery=base.recovery.with_mean(r))  # fmt: skip
+        return replace(
+            base,
+            notice_s=w if fit_notice else base.notice_s,
+            restart_s=f,
+            lost_s=lost,
+            recovery=base.recovery.with_mean(r),
+        )
 
     want = np.array([target[r] for r in rows], dtype=float)
 

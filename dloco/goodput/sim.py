@@ -133,9 +133,17 @@ def simulate(
 
 
 def simulate_schedule(
-    faults: Sequence[chaos_lib.Fault], algorithm: str, learners: int, quorum: int, duration_s: float,
-    recovery_s: float, *, pause_s: float = 0.0, rejoin_s: float = 0.0, lost_s: float = 0.0,
-) -> Goodput:  # fmt: skip
+    faults: Sequence[chaos_lib.Fault],
+    algorithm: str,
+    learners: int,
+    quorum: int,
+    duration_s: float,
+    recovery_s: float,
+    *,
+    pause_s: float = 0.0,
+    rejoin_s: float = 0.0,
+    lost_s: float = 0.0,
+) -> Goodput:
     """Replay a fault list: a kill takes its learner down for `recovery_s` (a kill of a down learner
     is absorbed, one of a frozen learner kills it), a freeze for its duration; then `_account`.
     dp stops while any learner is down (its kills discard `lost_s` of world work), elastic_dp
@@ -172,9 +180,17 @@ def simulate_schedule(
 
 
 def simulate_run(
-    chaos: ChaosConfig, algorithm: str, learners: int, quorum: int, duration_s: float, recovery_s: float,
-    *, pause_s: float = 0.0, rejoin_s: float = 0.0, lost_s: float = 0.0,
-) -> Goodput:  # fmt: skip
+    chaos: ChaosConfig,
+    algorithm: str,
+    learners: int,
+    quorum: int,
+    duration_s: float,
+    recovery_s: float,
+    *,
+    pause_s: float = 0.0,
+    rejoin_s: float = 0.0,
+    lost_s: float = 0.0,
+) -> Goodput:
     """A small real run's goodput: M learners (each a chip group) under `chaos`'s seeded schedule
     (`dloco.chaos.schedule`: per-learner kills at MTBF `chaos.mtbf_s`, freezes), measured restart +
     rejoin time `recovery_s`; see `simulate_schedule`."""
