@@ -79,7 +79,7 @@ CORPORA = {
 # inner lr. The outer-optimizer study (grid False) adds Delayed and per-commit Nesterov at four
 # (η, μ) each, at the default inner lr.
 DP_LRS = (3e-3, 6e-3, 9e-3, 1.2e-2)
-INNER_LRS = (3e-3, 6e-3)  # the first is the preset's, written without an override
+INNER_LRS = (3e-3, 6e-3)  # the first was the preset's when the sweep ran (its labels carry no lr); 6e-3 is now
 GRID = ((0.5, 0.5), (0.7, 0.9))
 OUTER_STUDY = ((0.5, 0.5), (1.0, 0.5), (0.5, 0.9), (0.7, 0.9))
 TINY_GRID, TINY_DP_LRS, TINY_INNER_LRS = ((0.7, 0.9),), (3e-3, 6e-3), (3e-3,)
@@ -95,6 +95,11 @@ SCALE_MODEL = (
 )
 
 
+# the sweep's decoupled rows and the rows built on them ran before `sync.dynamic` (DyLU) existed:
+# with it off, as this pins now that it is on by default
+STATIC = ("sync.dynamic=false",)
+
+
 def outer_ov(lr: float, mu: float, delay: int = 0) -> tuple[str, ...]:
     return (f"outer.lr={lr}", f"outer.momentum={mu}", f"outer.delay={delay}")
 
@@ -104,10 +109,11 @@ def sweep_rows(tiny: bool) -> list[dict]:
     r = []
 
     def add(family, label, ov, algorithm, grid=True):
+        ov = ov + STATIC if algorithm == "decoupled" else ov
         r.append(row("sweep", label, "stdlib", 4, algorithm, ov, 0, family=family, grid=grid))
 
     def lr_ov(lr):
-        return ((), "") if lr == inner[0] else ((f"inner.lr={lr}",), f", inner lr {lr:g}")
+        return (f"inner.lr={lr}",), "" if lr == inner[0] else f", inner lr {lr:g}"
 
     for lr in lrs:
         add("dp", f"dp, lr {lr:g}", (f"inner.lr={lr}",), "dp")
@@ -121,10 +127,12 @@ def sweep_rows(tiny: bool) -> list[dict]:
         add("decoupled/delayed", f"decoupled/delayed, η 0.5 μ 0.5{tag}", outer_ov(0.5, 0.5) + ov, "decoupled")
     if tiny:
         return r
+    study_lr = lr_ov(inner[0])[0]
     for eta, mu in OUTER_STUDY:
         if (eta, mu) != (0.5, 0.5):
-            add("decoupled/delayed", f"decoupled/delayed, η {eta:g} μ {mu:g}", outer_ov(eta, mu), "decoupled", False)
-        ov = outer_ov(eta, mu, 1)
+            ov = outer_ov(eta, mu) + study_lr
+            add("decoupled/delayed", f"decoupled/delayed, η {eta:g} μ {mu:g}", ov, "decoupled", False)
+        ov = outer_ov(eta, mu, 1) + study_lr
         add("decoupled/per-commit", f"decoupled/per-commit, η {eta:g} μ {mu:g}", ov, "decoupled", False)
     return r
 
@@ -198,9 +206,105 @@ def dependent_rows(results: list[dict], tiny: bool) -> list[dict]:
     return r
 
 
+# The ablation ladder (`ladder`): from tuned synchronous DiLoCo to the decoupled default, one
+# change per rung, every rung at LADDER_SEEDS (the ends at FINAL_SEEDS). All DiLoCo-family rungs
+# use the inner lr `LADDER_LR` (the sweep's best for every family). `speeds: equal` rows give
+# every learner the same step time; the others the bench's fleet (1.0 to 1.2 s per step).
+LADDER_SEEDS = (0, 1, 2)
+FINAL_SEEDS = (0, 1, 2, 3, 4)
+LADDER_LR = ("inner.lr=0.006",)
+PLAIN = outer_ov(1.0, 0.0)
+LADDER = (
+    # (label, algorithm, overrides, speeds, seeds)
+    ("dp, lr 0.006 (tuned data-parallel)", "dp", ("inner.lr=0.006",), "fleet", FINAL_SEEDS),
+    ("diloco, η 0.5 μ 0.5 (tuned sync DiLoCo)", "diloco", outer_ov(0.5, 0.5) + LADDER_LR, "fleet", FINAL_SEEDS),
+    ("diloco, plain averaging (η 1 μ 0)", "diloco", PLAIN + LADDER_LR, "fleet", LADDER_SEEDS),
+    ("streaming: P = 4 fragments, τ = 2", "streaming", PLAIN + LADDER_LR, "fleet", LADDER_SEEDS),
+    (
+        "decoupled P = 1, K = 1 + grace, equal speeds",
+        "decoupled",
+        PLAIN + LADDER_LR + STATIC + ("fragments.count=1",),
+        "equal",
+        LADDER_SEEDS,
+    ),
+    (
+        "decoupled P = 1, K = 1 + grace, fleet speeds",
+        "decoupled",
+        PLAIN + LADDER_LR + STATIC + ("fragments.count=1",),
+        "fleet",
+        LADDER_SEEDS,
+    ),
+    (
+        "decoupled P = 4, K = M, fleet speeds",
+        "decoupled",
+        PLAIN + LADDER_LR + STATIC + ("syncer.quorum=4",),
+        "fleet",
+        LADDER_SEEDS,
+    ),
+    ("decoupled P = 4, K = 1 + grace, equal speeds", "decoupled", PLAIN + LADDER_LR + STATIC, "equal", LADDER_SEEDS),
+    (
+        "decoupled P = 4, K = 1 + grace, fleet speeds (old default)",
+        "decoupled",
+        PLAIN + LADDER_LR + STATIC,
+        "fleet",
+        LADDER_SEEDS,
+    ),
+    (
+        "decoupled P = 1 + DyLU, fleet speeds",
+        "decoupled",
+        PLAIN + LADDER_LR + ("fragments.count=1", "sync.dynamic=true"),
+        "fleet",
+        LADDER_SEEDS,
+    ),
+    (
+        "decoupled + DyLU (default), fleet speeds",
+        "decoupled",
+        PLAIN + LADDER_LR + ("sync.dynamic=true",),
+        "fleet",
+        FINAL_SEEDS,
+    ),
+    (
+        "decoupled + DyLU + Delayed Nesterov η 0.5 μ 0.5",
+        "decoupled",
+        outer_ov(0.5, 0.5) + LADDER_LR + ("sync.dynamic=true",),
+        "fleet",
+        LADDER_SEEDS,
+    ),
+    (
+        "decoupled + DyLU, publish: delta",
+        "decoupled",
+        PLAIN + LADDER_LR + ("sync.dynamic=true", "compression.publish=delta"),
+        "fleet",
+        LADDER_SEEDS,
+    ),
+)
+
+DEFAULT_RUNG = "decoupled + DyLU (default), fleet speeds"
+
+
+def ladder_rows(tiny: bool) -> list[dict]:
+    """The ladder's rows (none in `--tiny`: the suite runs the sweep's)."""
+    if tiny:
+        return []
+    out = [
+        row("ladder", label, "stdlib", 4, alg, ov, s, speeds=speeds)
+        for label, alg, ov, speeds, seeds in LADDER
+        for s in seeds
+    ]
+    # the new default where the old one was measured: M = 8, the second corpus, the scale point
+    dylu = PLAIN + LADDER_LR + ("sync.dynamic=true",)
+    out.append(row("dylu", "decoupled + DyLU", "stdlib", 8, "decoupled", dylu, 0, speeds="fleet"))
+    for s in LADDER_SEEDS:
+        out.append(row("dylu", "decoupled + DyLU", "shakespeare", 4, "decoupled", dylu, s, speeds="fleet"))
+    out.append(row("dylu", "decoupled + DyLU", "stdlib", 4, "decoupled", dylu, 0, speeds="fleet", model="tiny"))
+    return out
+
+
 def setting(r: dict) -> tuple:
-    """What a row trains, without its seed: rows of one setting pool across groups."""
-    return (r["corpus"], r.get("model", "mini"), r["algorithm"], r["M"], tuple(sorted(r["overrides"])))
+    """What a row trains, without its seed: rows of one setting pool across groups. Blocking
+    algorithms compute the same whatever the learners' speeds, so their rows pool across speeds."""
+    speeds = "fleet" if r["algorithm"] in config.BLOCKING_ALGORITHMS else r.get("speeds", "fleet")
+    return (r["corpus"], r.get("model", "mini"), r["algorithm"], r["M"], tuple(sorted(r["overrides"])), speeds)
 
 
 def key(r: dict) -> tuple:
@@ -269,7 +373,7 @@ def run_row(args: tuple[dict, bool]) -> dict:
     cfg = row_config(r, steps, tiny)
     M = cfg.learners.count
     times = [1.0 + 0.2 * m / (M - 1) for m in range(M)] if M > 1 else [1.0]
-    if any(o.startswith("chaos.stragglers") for o in r["overrides"]):
+    if r.get("speeds") == "equal" or any(o.startswith("chaos.stragglers") for o in r["overrides"]):
         times = [1.0] * M
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
@@ -365,10 +469,20 @@ def main(argv: list[str] | None = None) -> int:
     ran: list[dict] = []
     ctx = mp.get_context("spawn")
     with ctx.Pool(max(1, a.workers)) as pool:
-        for phase in ("sweep", "dependent"):
+        for phase in ("sweep", "dependent", "ladder"):
             known = {key(r): r for r in kept} | {key(r): r for r in ran}
-            cands = sweep_rows(a.tiny) if phase == "sweep" else dependent_rows(list(known.values()), a.tiny)
-            todo = [r for r in cands if chosen(r) and not (a.missing and key(r) in known)]
+            pooled = {(setting(r), r["seed"]) for r in known.values()}  # a row of that setting and seed ran
+            if phase == "sweep":
+                cands = sweep_rows(a.tiny)
+            elif phase == "dependent":
+                cands = dependent_rows(list(known.values()), a.tiny)
+            else:
+                cands = ladder_rows(a.tiny)
+            todo = [
+                r
+                for r in cands
+                if chosen(r) and not (a.missing and (key(r) in known or (setting(r), r["seed"]) in pooled))
+            ]
             if phase == "dependent" and not cands and sel != ["sweep"]:
                 print("the rows after the sweep need every sweep family: run --only sweep first", flush=True)
             longest_first = sorted(todo, key=lambda r: -r["M"] * (4 if r["algorithm"] == "dp" else 1))
@@ -381,7 +495,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
     done = {key(r) for r in ran}
     results = [r for r in kept if key(r) not in done] + ran
-    order = {key(r): i for i, r in enumerate(sweep_rows(a.tiny) + dependent_rows(results, a.tiny))}
+    order = {
+        key(r): i for i, r in enumerate(sweep_rows(a.tiny) + dependent_rows(results, a.tiny) + ladder_rows(a.tiny))
+    }
     results = [r for r in results if key(r) in order]  # rows the table no longer has are dropped
     results.sort(key=lambda r: order[key(r)])
     commands = (old.get("commands", []) if old else []) + [

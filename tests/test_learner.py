@@ -223,7 +223,7 @@ def test_dynamic_schedule_follows_the_syncers_word_for_its_newest_push_only(cach
                 core.install(p, core.versions[p] + 1, core.anchors[p], included_step=records[-1].step)
     # fragment 1: offset 4, then +5 (told), then H = 8 (nothing told); fragment 0: 8, +11, then +8
     assert due == {1: [4, 9, 17, 25], 0: [8, 19, 27]}
-    _, _, static = make(cache, "sync.every=8", "fragments.count=2", "sync.overlap=1")
+    _, _, static = make(cache, "sync.every=8", "fragments.count=2", "sync.overlap=1", "sync.dynamic=false")
     steps = []
     for _ in range(17):
         _, pushes = static.step()
