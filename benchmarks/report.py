@@ -360,6 +360,27 @@ def ladder_table(q: Quality) -> list[str]:
     return out
 
 
+def ladder_findings(q: Quality) -> list[str]:
+    """What the ladder says, each number read from its rungs."""
+    L = [label for label, *_ in q.qmod.LADDER]
+    r = {label: q.rung(label) for label in L}
+    plain, eq1, fl1, dy1 = r[L[2]], r[L[4]], r[L[5]], r[L[9]]
+    eq4, fl4, dy4, di = r[L[7]], r[L[8]], r[L[10]], r[L[1]]
+    if None in (plain, eq1, fl1, dy1, eq4, fl4, dy4, di):
+        return []
+    return [
+        f"- **Where asynchrony cost quality** (the ladder, stdlib, M = 4). With one fragment and plain averaging, "
+        f"decoupled at equal learner speeds is synchronous DiLoCo ({fmt_gap(gap(eq1, plain))} against it: every "
+        f"push of a period arrives together and the round merges them all); on the bench's fleet of speeds "
+        f"1.0–1.2 it is {fmt_gap(gap(fl1, plain))} behind — the learners' schedules drift apart, rounds hold one "
+        f"push, and each pseudo-gradient starts from a model that lacks part of its peers' progress. Dynamic local "
+        f"updates (`sync.dynamic`) give that back: {fmt_gap(gap(dy1, plain))} with one fragment. With four "
+        f"fragments, the same: equal speeds {fmt_gap(gap(eq4, di))}, fleet {fmt_gap(gap(fl4, di))}, fleet + DyLU "
+        f"{fmt_gap(gap(dy4, di))} against tuned synchronous DiLoCo.",
+        "",
+    ]
+
+
 def quality_tables(q: Quality) -> list[str]:
     out = ladder_table(q)
     runs = q.runs
@@ -646,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     if q:
-        lines += claims(q) + findings(q)
+        lines += claims(q) + ladder_findings(q) + findings(q)
     if bw:
         best = int4_both_ways(bw, 24)
         if best:

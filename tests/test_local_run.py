@@ -94,3 +94,24 @@ def test_dynamic_local_updates_merge_a_fleet_of_unequal_speeds_in_whole_rounds(t
     for p in (0, 1):
         times = [e["time"] for e in steady if e["fragment"] == p]
         assert all(abs(b - a - T) < 1.0 for a, b in zip(times, times[1:], strict=False))
+
+
+def test_decoupled_at_equal_speeds_is_synchronous_diloco_bit_for_bit(tiny_run, tmp_path):
+    """One fragment, K = 1, plain averaging, learners of one speed: every push of a period reaches
+    the syncer together, the round closes with all of them (no grace needed), and each merge is
+    installed before the next step — so decoupled computes exactly synchronous DiLoCo (η 1, μ 0),
+    whatever its overlap τ and install rule. What decoupled loses on unequal speeds is therefore
+    the drift between learners' schedules, which `sync.dynamic` removes (docs/RESULTS.md, ladder)."""
+    base = (*(o for o in tiny_run if not o.startswith(("fragments.", "sync.overlap"))), "learners.count=3")
+    base += ("data.shards=3",)  # diloco: τ = 0, overwrite (its defaults); decoupled: τ = 2, rebase
+    plain = ("outer.lr=1.0", "outer.momentum=0.0", "sync.dynamic=false")  # (diloco's default; decoupled's fixed)
+    runs = {}
+    for algorithm in ("diloco", "decoupled"):
+        cfg = config.load(overrides=(*base, *plain, f"algorithm={algorithm}", "fragments.count=1"))
+        runs[algorithm] = run_local(cfg, tmp_path / algorithm, steps=32, step_times=[1.0] * 3, sync_time=0.4)
+    a, b = runs["diloco"].store, runs["decoupled"].store
+    assert a.versions == b.versions == [4]
+    for n, x in a.fragment(0)[1].items():
+        np.testing.assert_array_equal(b.fragment(0)[1][n], x)
+    merges = [e for e in runs["decoupled"].events if e["event"] == "merge"]
+    assert [e["contributors"] for e in merges] == [[0, 1, 2]] * 4
