@@ -280,6 +280,7 @@ LADDER = (
 )
 
 DEFAULT_RUNG = "decoupled + DyLU (default), fleet speeds"
+EDGE_LRS = (9e-3, 1.2e-2)
 
 
 def ladder_rows(tiny: bool) -> list[dict]:
@@ -297,6 +298,23 @@ def ladder_rows(tiny: bool) -> list[dict]:
     for s in LADDER_SEEDS:
         out.append(row("dylu", "decoupled + DyLU", "shakespeare", 4, "decoupled", dylu, s, speeds="fleet"))
     out.append(row("dylu", "decoupled + DyLU", "stdlib", 4, "decoupled", dylu, 0, speeds="fleet", model="tiny"))
+    # past the sweep's top inner lr, where every DiLoCo-family winner sat: the two ends of the ladder
+    for lr in EDGE_LRS:
+        ov = (f"inner.lr={lr}",)
+        out.append(
+            row("edge", f"diloco, η 0.5 μ 0.5, inner lr {lr:g}", "stdlib", 4, "diloco", outer_ov(0.5, 0.5) + ov, 0)
+        )
+        out.append(
+            row(
+                "edge",
+                f"decoupled + DyLU, inner lr {lr:g}",
+                "stdlib",
+                4,
+                "decoupled",
+                PLAIN + ov + ("sync.dynamic=true",),
+                0,
+            )
+        )
     return out
 
 

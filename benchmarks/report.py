@@ -357,6 +357,21 @@ def ladder_table(q: Quality) -> list[str]:
                 f"{fmt_gap(gap(s, dpr))} | {fmt_gap(gap(s, dir_))} | {', '.join(f'`{h}`' for h in s['hashes'])} |"
             )
         out.append("")
+    edge = [r for r in q.runs if r["group"] == "edge"]
+    if edge:
+        ends = {"diloco": q.rung(q.qmod.LADDER[1][0]), "decoupled": q.rung(q.qmod.DEFAULT_RUNG)}
+        out += [
+            "### Past the grid's top inner lr (seed 0)",
+            "",
+            "| row | eval loss | vs the same at inner lr 0.006 (seed 0) | hash |",
+            "|---|---:|---:|---|",
+        ]
+        for r in edge:
+            ref = ends[r["algorithm"]]
+            at6 = ref["losses"][ref["seeds"].index(0)] if ref and 0 in ref["seeds"] else None
+            vs = "-" if at6 is None else f"{pct(r['eval_loss'], at6):+.2f} %"
+            out.append(f"| {r['label']} | {r['eval_loss']:.4f} | {vs} | `{r['config_hash']}` |")
+        out.append("")
     return out
 
 
