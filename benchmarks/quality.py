@@ -458,6 +458,36 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def write(out: Path, old: dict | None, kept: list[dict], ran: list[dict], tiny: bool, command: str, t0: float) -> dict:
+    """Writes the JSON: the kept rows that were not rerun, the rows run, in table order. Called after
+    every row, so a run that stops half way (a missing corpus, a kill) keeps what it ran."""
+    done = {key(r) for r in ran}
+    results = [r for r in kept if key(r) not in done] + ran
+    order = {key(r): i for i, r in enumerate(sweep_rows(tiny) + dependent_rows(results, tiny) + ladder_rows(tiny))}
+    results = [r for r in results if key(r) in order]  # rows the table no longer has are dropped
+    results.sort(key=lambda r: order[key(r)])
+    doc = {
+        "commands": (old.get("commands", []) if old else []) + [command],
+        "tiny": tiny,
+        "regime": {
+            "tokens_per_param": TOKENS_PER_PARAM,
+            "min_periods": MIN_PERIODS,
+            "M_ref": M_REF,
+            "batch": BATCH,
+            "model": list(MODEL),
+        },
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+        "wall_s": (old["wall_s"] if old else 0.0) + time.time() - t0,
+        "results": results,
+        "summary": summarize(results),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(out)
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=2, help="rows run in parallel processes")
@@ -484,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     t0 = time.time()
+    command = "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
     ran: list[dict] = []
     ctx = mp.get_context("spawn")
     with ctx.Pool(max(1, a.workers)) as pool:
@@ -506,38 +537,14 @@ def main(argv: list[str] | None = None) -> int:
             longest_first = sorted(todo, key=lambda r: -r["M"] * (4 if r["algorithm"] == "dp" else 1))
             for res in pool.imap_unordered(run_row, [(r, a.tiny) for r in longest_first]):
                 ran.append(res)
+                write(out, old, kept, ran, a.tiny, command, t0)
                 print(
                     f"{res['group']:12s} {res['label']:40s} {res['corpus']:11s} M={res['M']:<3d} seed={res['seed']} "
                     f"loss {res['eval_loss']:.4f}  ({res['wall_s']:.0f} s)",
                     flush=True,
                 )
-    done = {key(r) for r in ran}
-    results = [r for r in kept if key(r) not in done] + ran
-    order = {
-        key(r): i for i, r in enumerate(sweep_rows(a.tiny) + dependent_rows(results, a.tiny) + ladder_rows(a.tiny))
-    }
-    results = [r for r in results if key(r) in order]  # rows the table no longer has are dropped
-    results.sort(key=lambda r: order[key(r)])
-    commands = (old.get("commands", []) if old else []) + [
-        "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    ]
-    doc = {
-        "commands": commands,
-        "tiny": a.tiny,
-        "regime": {
-            "tokens_per_param": TOKENS_PER_PARAM,
-            "min_periods": MIN_PERIODS,
-            "M_ref": M_REF,
-            "batch": BATCH,
-            "model": list(MODEL),
-        },
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
-        "wall_s": (old["wall_s"] if old else 0.0) + time.time() - t0,
-        "results": results,
-        "summary": summarize(results),
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
+    doc = write(out, old, kept, ran, a.tiny, command, t0)
+    results = doc["results"]
     plot(results, out.with_suffix(".png"))
     print(f"\n{'setting':90s} {'loss':>8s} {'±':>7s} seeds")
     for s in doc["summary"]:
