@@ -160,7 +160,7 @@ def test_quality_tiny_sweeps_then_runs_the_winners_at_equal_tokens(tmp_path):
     de = [r["eval_loss"] for r in runs if r["label"] == "decoupled (tuned)"]
     de += [s["eval_loss"] for s in sweep if sorted(s["overrides"]) == sorted(dec["overrides"])]
     gap = 100 * (sum(de) / 2 - sum(dp) / 2) / (sum(dp) / 2)
-    assert f": {gap:+.2f} % | **{'met' if gap <= 1 else 'missed'}** |" in text
+    assert f": {gap:+.2f} % | **{'met' if gap <= 4 else 'missed'}** |" in text
     assert all(r["config_hash"] in text for r in runs)
     assert "Not run: `python benchmarks/bandwidth.py`" in text and "Not run: `sudo python benchmarks/wan.py`" in text
     assert (md.parent / "figures" / "quality.png").stat().st_size > 1000
