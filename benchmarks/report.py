@@ -163,14 +163,14 @@ def claims(q: Quality) -> list[str]:
             ),
             (
                 "2",
-                "decoupled M = 4 (defaults) ≤ +4 % vs tuned dp",
+                "decoupled + DyLU (`sync.dynamic`) M = 4 ≤ +4 % vs tuned dp",
                 "+2.8 % (51 M, H = 25); +0.5 % (H ≈ 24); DiLoCo 150 M better than DP (15.02 vs 15.30 ppl)",
                 ("decoupled", de, "dp", dp),
                 4.0,
             ),
             (
                 "3",
-                "decoupled (defaults) ≤ +0.5 % vs tuned synchronous DiLoCo, same M and H",
+                "decoupled + DyLU (`sync.dynamic`) ≤ +0.5 % vs tuned synchronous DiLoCo, same M and H",
                 "Decoupled DiLoCo ≈ DiLoCo (5 B: 69.8 vs 70.1 text average)",
                 ("decoupled", de, "diloco", di),
                 0.5,
@@ -202,7 +202,7 @@ def claims(q: Quality) -> list[str]:
     g = gap(de8, dp8)
     add(
         "2b",
-        "decoupled M = 8 (defaults) ≤ +7 % vs tuned dp",
+        "decoupled + DyLU M = 8 ≤ +7 % vs tuned dp",
         "gap grows with M, a few % at small scale",
         f"{fmt(de8)} vs {fmt(dp8)}: {fmt_gap(g)}",
         None if g is None else g <= 7.0,
