@@ -216,7 +216,7 @@ class FragmentsConfig:
 class SyncConfig:
     """H = `every` inner steps between two sends of one fragment; τ = `overlap`.
 
-    `dynamic` (decoupled only; off by default until its Ray path holds under learner kills): dynamic local updates (DyLU, Liu et al. 2024),
+    `dynamic` (decoupled only; off by default until its Ray path is checked under learner kills): dynamic local updates (DyLU, Liu et al. 2024),
     phase-locked. The syncer keeps a beat per fragment, one period T = H·ξ_fastest apart (the
     fastest learner takes H steps a period), and tells each pusher in how many steps its next push
     of that fragment is due: ⌈(T − lateness)/ξ_m⌉ − 1, ξ_m its own seconds per step, so that it
