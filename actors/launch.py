@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import jax
 import ray
 from ray._private import ray_constants
 
@@ -171,6 +172,9 @@ def start(
             if owns:
                 raise
             sys.stderr.write(f"dloco: warning: {e}; unless such a node joins\n")
+        if cfg.learners.compile_cache_dir:  # the driver's compiles (initial model, evaluation) hit the cache too
+            jax.config.update("jax_compilation_cache_dir", str(Path(cfg.learners.compile_cache_dir).expanduser()))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         preflight.check_devices(cfg)  # starts JAX's runtime in this process: only once Ray has forked its own
         existed = pf.run_dir.exists()
         before = set(os.listdir(pf.run_dir)) if existed else set()

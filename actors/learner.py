@@ -95,12 +95,16 @@ class Learner:
         self._running = False
         if threading.current_thread() is threading.main_thread():  # where Ray runs a constructor
             signal.signal(signal.SIGTERM, self._sigterm)
+        if learner_id is not None and ctx.was_current_actor_reconstructed:
+            self._become(learner_id)  # the store is up: register at once, compile (from the cache) on the first step
+            return
+        if self.cfg.learners.cpu_limit > 0:  # first, so that the warm-up runs on its share
+            who = f"spare-{os.getpid()}" if learner_id is None else f"learner-{learner_id}"
+            limit_cpu(f"{namespace or 'default'}-{who}", self.cfg.learners.cpu_limit)
+        # a spare, or a learner at the run's start: compile while the store and syncer start
+        self.warm = warm_up(self.cfg, self.mesh, expect)
         if learner_id is not None:
             self._become(learner_id)
-            return
-        if self.cfg.learners.cpu_limit > 0:
-            limit_cpu(f"{namespace or 'default'}-spare-{os.getpid()}", self.cfg.learners.cpu_limit)
-        self.warm = warm_up(self.cfg, self.mesh, expect)
 
     def become(self, learner_id: int) -> int:
         """This spare takes learner `learner_id`'s identity: it registers (a new incarnation) and

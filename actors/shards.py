@@ -22,8 +22,10 @@ from dloco.services import shards
 
 
 def spawn(cfg: RunConfig, run_dir: str, opts: dict, started: list) -> tuple[list, list]:
-    """(stores, syncers), each started (`health.started`); every actor is appended to `started` as
-    it is created, so that the caller can remove them all if a later one fails."""
+    """(stores, syncers), created but not waited for (`wait_started`), so that whatever the caller
+    starts next (the learners: JAX import, corpus, compile) starts beside them; every actor is
+    appended to `started` as it is created, so that the caller can remove them all if one fails.
+    A syncer finds its store by name while the store is still being constructed."""
     n, where = cfg.syncer.shards, cfg.syncer.shard_resources
     placed = [
         {k: v for k, v in opts.items() if k != "scheduling_strategy"} | {"resources": {where[s]: 0.001}}
@@ -31,15 +33,12 @@ def spawn(cfg: RunConfig, run_dir: str, opts: dict, started: list) -> tuple[list
         else opts
         for s in range(n)
     ]
-    stores = []
+    stores, syncers = [], []
     for s, name in enumerate(shards.names("store", n)):
         stores.append(
             cast(Any, ray.remote(FragmentStore)).options(name=name, **placed[s]).remote(cfg.to_dict(), run_dir, s)
         )
         started.append(stores[-1])
-    for a, name in zip(stores, shards.names("store", n), strict=True):
-        health.started(a, name)
-    syncers = []
     for s, (name, store) in enumerate(zip(shards.names("syncer", n), shards.names("store", n), strict=True)):
         # threaded: pushes are accepted on Ray's threads while one thread closes rounds
         syncers.append(
@@ -48,9 +47,15 @@ def spawn(cfg: RunConfig, run_dir: str, opts: dict, started: list) -> tuple[list
             .remote(cfg.to_dict(), store, opts["namespace"], s)
         )
         started.append(syncers[-1])
-    for a, name in zip(syncers, shards.names("syncer", n), strict=True):
-        health.started(a, name)
     return stores, syncers
+
+
+def wait_started(cfg: RunConfig, stores: list, syncers: list) -> None:
+    """Waits until every store, then every syncer, is constructed (`health.started`: one line if
+    one cannot start, e.g. its run dir is locked by another run)."""
+    n = cfg.syncer.shards
+    for a, name in zip((*stores, *syncers), (*shards.names("store", n), *shards.names("syncer", n)), strict=True):
+        health.started(a, name)
 
 
 def actors(cfg: RunConfig, role: str, namespace: str | None) -> list:

@@ -78,22 +78,29 @@ class RunHandle:
         self.evaluator: Any = None
         begun: list = []  # the store and syncer shards (`actors.shards`), as each is created
         try:
+            # Every process starts at once: learners import JAX, map the corpus and compile their
+            # train step (`actors.learner`) while the store restores and the syncer warms up; a
+            # learner registers once both its step is compiled and the store answers.
             self.stores, self.syncers = shards.spawn(cfg, str(run_dir), opts, begun)
             self.store, self.syncer = self.stores[0], self.syncers[0]
+            for m in range(cfg.learners.count):
+                self._spawn(m)
             if self._on_driver is None:
                 self.evaluator = evaluator.spawn(cfg, self.namespace, self.corpus, opts)
+            shards.wait_started(cfg, self.stores, self.syncers)
+            if self.evaluator is not None:
                 health.started(self.evaluator, "evaluator")
+            # the initial model (or on a resume the restored one): its fragments are read as soon
+            # as the store answers, before a learner can have registered and trained `sync.every` steps
             self.eval_loss_start = self.evaluate()
         except BaseException:
-            for a in (*begun, self.evaluator):
+            for a in (*begun, *self.learners.values(), self.evaluator):
                 if a is not None:
                     ray.kill(a, no_restart=True)
             self._metrics_file.close()
             self._tensorboard.close()
             raise
         self._record(events.Eval(time=time.time(), loss=self.eval_loss_start, tokens=0).to_dict())
-        for m in range(cfg.learners.count):
-            self._spawn(m)
         self.spares = spares.SparePool(cfg, self.namespace, self.corpus, self._record) if cfg.learners.spares else None
         n, stragglers = len(self.faults.schedule), sorted(chaos.stragglers(cfg.chaos, cfg.learners.count))
         self._record(events.Chaos(time=time.time(), seed=cfg.chaos.seed, faults=n, stragglers=stragglers).to_dict())
