@@ -15,6 +15,7 @@ import socket
 import stat
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,7 @@ def start(
       PreflightError: a check failed (one line naming the field or file, and the fix).
       ConnectionError: the cluster does not answer.
     """
+    launched = time.time()
     local = not (address or os.environ.get("RAY_ADDRESS"))
     path = preflight.resolve_run_dir(cfg, run_dir, job=under_job())
     resume = preflight.holds_run(path) if resume is None else resume
@@ -180,7 +182,7 @@ def start(
         before = set(os.listdir(pf.run_dir)) if existed else set()
         preflight.record(pf, cfg)
         try:
-            handle = RunHandle(cfg, pf.run_dir, owns, progress)
+            handle = RunHandle(cfg, pf.run_dir, owns, progress, launched)
             handle.resumed = resume
             return handle
         except BaseException:

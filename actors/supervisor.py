@@ -43,11 +43,14 @@ class RunHandle:
 
     resumed = False  # set by `actors.launch.start`: this run continues the one in its run dir
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, owns_ray: bool, progress=None) -> None:
+    def __init__(
+        self, cfg: RunConfig, run_dir: Path, owns_ray: bool, progress=None, launched: float | None = None
+    ) -> None:
         self.cfg, self.run_dir, self.owns_ray, self.progress = cfg, run_dir, owns_ray, progress
         self.namespace = f"dloco-{uuid.uuid4().hex[:8]}"
         self.cfg_dict = cfg.to_dict()
         self.started = time.time()
+        self.launched = self.started if launched is None else launched  # when `start` was called
         bp = build.blueprint(cfg)
         self.tally = Tally(bp.plan.count, cfg.metrics.stall_threshold_s, self.started)
         self.learners: dict[int, Any] = {}
@@ -284,7 +287,10 @@ class RunHandle:
                     self.progress(self.status())
                 if self.observer.tick(self):  # status.json and Ray metrics, every 2 s; True: `dloco stop`
                     break
-                elapsed = time.time() - self.started
+                # budget.seconds counts training: from the first learner's registration, so a short
+                # budget is not spent on start-up (`startup_s` in the summary says what that took)
+                first = self.tally.first_start
+                elapsed = 0.0 if first is None else time.time() - first
                 if (b.tokens and self.tokens_trained() >= b.tokens) or (b.seconds and elapsed >= b.seconds):
                     break
                 if (
@@ -375,6 +381,7 @@ class RunHandle:
                 run_dir=str(self.run_dir),
                 error=self.fatal,
                 auth_mode=self.auth_mode,
+                launched=self.launched,
             )
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2, default=str))
         self._done.set()

@@ -798,6 +798,13 @@ def main(argv: list[str] | None = None) -> int:
         lines += [syncer_scale.report(scale), ""]
     else:
         lines += ["## The commit path at scale", "", "Not run: `python benchmarks/syncer_scale.py`.", ""]
+    startup = load(res / "startup.json")
+    if startup:
+        import startup as startup_mod
+
+        lines += [startup_mod.report(startup), ""]
+    else:
+        lines += ["## Start-up", "", "Not run: `python benchmarks/startup.py`.", ""]
     if soak:
         import soak as soak_mod
 

@@ -158,6 +158,9 @@ def table(summary: Mapping[str, Any]) -> str:
     def loss(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.3f}"
 
+    def secs(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.1f} s"
+
     errors = s.get("errors") or {}
     rows = [
         ("algorithm", s.get("algorithm", "decoupled")),
@@ -173,6 +176,7 @@ def table(summary: Mapping[str, Any]) -> str:
         ),
         ("bytes on the wire", f"{s['bytes_up']:,} up, {s['bytes_down']:,} down"),
         ("wall time", f"{s['wall_time_s']:.1f} s"),
+        ("start-up", f"first step after {secs(s.get('startup_s'))}, first merge after {secs(s.get('first_merge_s'))}"),
         ("run dir", str(s["run_dir"])),
     ]
     if errors:

@@ -12,6 +12,7 @@ its own fragment.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import jax
@@ -203,8 +204,15 @@ def init_params(model: nn.Module, seed: int, seq_len: int) -> dict:
     Decision: jitted, one compiled program. Run op by op, flax's init compiles each of its ~90
     operations on its own: 7–8 s on 2 cores against ~2 s (and a hit in the persistent compilation
     cache after that), paid by every process that builds the model (driver, store, learners)."""
+    return _jitted_init(model, seq_len)(jax.random.PRNGKey(seed))
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_init(model: nn.Module, seq_len: int):
+    """One compiled init per model and sequence length (modules are hashable, equal by their
+    fields), so that a process building the same model again (an in-process run, a test) reuses it."""
     tokens = jnp.zeros((1, seq_len), dtype=jnp.int32)
-    return jax.jit(model.init)(jax.random.PRNGKey(seed), tokens)["params"]
+    return jax.jit(lambda key: model.init(key, tokens)["params"])
 
 
 def count_params(params: dict) -> int:

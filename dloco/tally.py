@@ -71,6 +71,7 @@ class Tally:
         self.recent: deque[dict[str, Any]] = deque(maxlen=ring)
         self.last: dict[str, dict[str, Any]] = {}  # event kind → its newest event
         self.first_commit: float | None = None
+        self.first_start: float | None = None  # the first learner's first registration: training begins
         self.payloads_lost = 0
         self._learners: dict[int, dict[str, float | None]] = {}  # m → start, stop, merged, merged_tokens
         self._merged_to: dict[tuple[int, int], int] = {}  # (learner, fragment) → highest step merged
@@ -109,6 +110,7 @@ class Tally:
         t = float(e.get("time", 0.0))
         if kind == "learner_start":
             self._learner(int(e["learner"]), t)
+            self.first_start = t if self.first_start is None else min(self.first_start, t)
         elif kind == "spare_start":
             self._spares[int(e["spare"])] = [t, None]
         elif kind == "spare_takeover" and int(e["spare"]) in self._spares:
@@ -237,9 +239,15 @@ def summarize(
     run_dir: str,
     error: str | None = None,
     auth_mode: str | None = None,
+    launched: float | None = None,
 ) -> dict[str, Any]:
     """``summary.json`` of a run: the tally's accounts up to `stop_at` (when the run was told to
-    stop) and what the driver measured at the end (`end`: after the final evaluation)."""
+    stop) and what the driver measured at the end (`end`: after the final evaluation).
+
+    Start-up, from `launched` (when `actors.launch.start` was called; the tally's start if None):
+    ``startup_s`` to the first learner's registration (its train step is compiled by then:
+    `actors.learner`), ``first_merge_s`` to the first commit; None if it never came."""
+    launched = tally.start if launched is None else launched
     per_learner = tally.learner_time(stop_at)
     merged = sum(v["merged_tokens"] for v in per_learner.values())
     faults = tally.counts["fault"]
@@ -277,6 +285,8 @@ def summarize(
         "store_shards": store.get("shards"),  # with syncer.shards > 1: each shard's summary
         "placement": {m: s.get("node") for m, s in sorted(statuses.items())},
         "wall_time_s": end - tally.start,
+        "startup_s": None if tally.first_start is None else tally.first_start - launched,
+        "first_merge_s": None if tally.first_commit is None else tally.first_commit - launched,
         "run_dir": run_dir,
         "config": dict(config),
     }

@@ -117,3 +117,22 @@ def test_a_learner_that_left_and_registers_again_is_provisioned_again():
     assert t.learner_time(100.0)[1]["provisioned"] == 40.0  # left for good: provisioned until then
     t.add({"event": "learner_restart", "time": 55.0, "learner": 1, "incarnation": 2, "cursor": None, "step": 96})
     assert t.learner_time(100.0)[1]["provisioned"] == 100.0  # back: 0 → 100 s, the 15 s gap included
+
+
+def test_start_up_is_measured_from_the_launch_to_the_first_registration_and_the_first_merge():
+    """`startup_s`: `start` called at 100 s, learner 1 registers first at 112.5 s (events may arrive
+    out of order); `first_merge_s`: the first commit at 115 s. A run with no registration yet has
+    neither (and `budget.seconds` has not begun counting: `Tally.first_start` is None)."""
+    tally = Tally(fragments=1, stall_threshold=30.0, start=101.0)
+    args = dict(config={}, stop_at=120.0, end=120.0, eval_loss_start=5.0, eval_loss_end=None, tokens_trained=0)
+    rest = dict(statuses={}, store={"versions": [0]}, learners=2, run_dir="r", launched=100.0)
+    s = summarize(tally, **args, **rest)
+    assert tally.first_start is None and s["startup_s"] is None and s["first_merge_s"] is None
+    tally.add({"event": "learner_start", "time": 113.0, "learner": 0, "incarnation": 1})
+    tally.add({"event": "learner_start", "time": 112.5, "learner": 1, "incarnation": 1})
+    tally.add(_merge(115.0))
+    tally.add(_merge(116.0))
+    s = summarize(tally, **args, **rest)
+    assert tally.first_start == 112.5
+    assert s["startup_s"] == 12.5 and s["first_merge_s"] == 15.0
+    assert summarize(tally, **args, **{**rest, "launched": None})["startup_s"] == 11.5  # from the tally's start

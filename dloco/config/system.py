@@ -183,8 +183,9 @@ class ChaosConfig:
     freezes (alive but silent for `freeze_s`) with Exponential(`freeze_mtbf_s`) gaps; none before
     `warmup_s`. `stragglers` learners (a seeded choice) run every step `straggler_factor` times
     slower; every learner's step is further multiplied by U(1, 1 + `jitter`), drawn per step. Each
-    push is lost on the wire with probability `payload_loss` (blocking algorithms resend it after
-    `resend_s`). The syncer and the store are killed at the listed times. 0 turns a fault off.
+    push is lost on the wire with probability `payload_loss` (a blocking learner asks the syncer
+    every `resend_s` whether it has its push, and resends only one it has not). The syncer and the
+    store are killed at the listed times. 0 turns a fault off.
     """
 
     seed: int = 0  # the schedule's seed: same seed, same faults, for every algorithm
@@ -196,7 +197,7 @@ class ChaosConfig:
     straggler_factor: float = 1.0  # a straggler's step takes this many times longer
     jitter: float = 0.0  # every step takes U(1, 1 + jitter) times longer, drawn per step
     payload_loss: float = 0.0  # probability that a push is lost on the wire
-    resend_s: float = 1.0  # blocking algorithms resend a lost push after this long
+    resend_s: float = 1.0  # a blocking learner waiting this long asks the syncer; resends a push it lacks
     syncer_kills_s: tuple[float, ...] = ()  # kill the syncer at these times
     store_kills_s: tuple[float, ...] = ()  # kill the store at these times
     horizon_s: float = 3600.0  # the schedule's length
@@ -221,6 +222,9 @@ class ChaosConfig:
 class BudgetConfig:
     """When a run stops: whichever of the total-token or wall-time budget is hit first (0: none).
 
+    `seconds` counts training time: from the first learner's registration (its train step already
+    compiled), not from the command, so a 30-second budget trains for 30 seconds whatever Ray's
+    start, the imports and the compiles took before (``startup_s`` in ``summary.json``).
     `steps` caps each learner's local steps (0: none); a run whose learners all reached it ends.
     """
 
