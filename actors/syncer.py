@@ -40,6 +40,9 @@ class Syncer:
             wait = self.service.run_due()
             self._wake.wait(1.0 if wait is None else wait)
 
+    def holds(self, meta: ContributionMeta) -> bool:
+        return self.service.holds(meta)
+
     def status(self) -> dict:
         return self.service.status()
 

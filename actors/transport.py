@@ -59,6 +59,7 @@ class SyncerHandle:
     def __init__(self, actor, latency: float = 0.0) -> None:
         self.actor, self.latency = actor, latency
         self._pending: deque[tuple[Any, Future]] = deque()  # (meta, future of its Decision)
+        self._probes: dict[tuple, Future] = {}  # (learner, incarnation, fragment, step) → `holds` asked
         self._lock = threading.Lock()  # pushes are announced from timer threads under latency
 
     def push(self, meta, ref) -> None:
@@ -72,6 +73,23 @@ class SyncerHandle:
         decision = self.actor.push.remote(meta, [ref]).future()  # done: set by Ray, read without a call
         with self._lock:
             self._pending.append((meta, decision))
+
+    def holds(self, meta) -> bool | None:
+        """Asks the syncer without waiting: None until its answer has come (ask again), then the
+        answer; False if the syncer died meanwhile (a restarted one holds nothing of the old one's)."""
+        key = (meta.learner_id, meta.incarnation, meta.fragment_id, meta.step)
+        with self._lock:
+            fut = self._probes.get(key)
+            if fut is None:
+                self._probes[key] = self.actor.holds.remote(meta).future()
+                return None
+            if not fut.done():
+                return None
+            del self._probes[key]
+        try:
+            return bool(fut.result())
+        except (RayError, CancelledError):
+            return False
 
     def decisions(self) -> list[tuple[Any, Any]]:
         with self._lock:

@@ -104,6 +104,9 @@ class _SyncerFor:
     def push(self, meta, ref):
         return self.sim.syncers[self.s].push(meta, ref)
 
+    def holds(self, meta) -> bool:
+        return self.sim.syncers[self.s].holds(meta)
+
     def decisions(self) -> list:
         return []  # in process each push's decision is its return value
 

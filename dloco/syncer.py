@@ -166,6 +166,22 @@ class SyncerCore:
         )
         return self._check_replay(p, meta, in_round) if d.accept else d
 
+    def holds(self, meta: ContributionMeta) -> bool:
+        """Whether this syncer has `meta`'s push: pending in its fragment's round, in the round being
+        merged, or merged already. A blocking learner waiting for its merge sends the payload again
+        only when the syncer does not (`LearnerService.resend_due`): lost on the wire, or forgotten
+        with a restart or a dropped round."""
+        p, m = meta.fragment_id, meta.learner_id
+        if not 0 <= p < len(self.rounds):
+            return False
+        pending = self.rounds[p].pending.get(m)
+        if pending is not None and (pending[0].incarnation, pending[0].step) == (meta.incarnation, meta.step):
+            return True
+        if (m, meta.incarnation, meta.step) in self._inflight[p]:
+            return True
+        last = self.merged_steps[p].get(m)
+        return last is not None and last[0] == meta.incarnation and meta.step <= last[1]
+
     def _check_replay(self, p: int, meta: ContributionMeta, in_round: bool = True) -> Decision:
         """A push of an incarnation whose step is not newer than its last merged one is a replay;
         so is one whose round is being merged now (a blocking learner's resend, say). A push covers

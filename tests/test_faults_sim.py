@@ -106,3 +106,33 @@ def test_a_transport_made_after_a_kill_is_never_taken_for_the_killed_one():
         with pytest.raises(PayloadLostError):
             t.get(ref)
         del t
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "dp"])
+def test_waiting_for_a_straggler_costs_no_payload(tmp_path, data_cache, algorithm):
+    """Synchronous DiLoCo (and dp) with a straggler 3× slower and `chaos.resend_s` = 1 s: every
+    round waits ~16 virtual seconds for it, and each fast learner asks the syncer every second
+    whether it has its push. It has: nothing is resent, and the bytes sent are one payload per
+    learner per round (before the syncer could be asked, each wait resent every waiting push
+    once a second). A push lost on the wire (`test_fault[payload_loss]`) or forgotten by a
+    restarted syncer (`test_fault[kill_syncer]`) is still resent."""
+    cfg = config.load(
+        None,
+        [
+            "preset=micro",
+            f"data.cache_dir={data_cache}",
+            "learners.count=3",
+            "chaos.resend_s=1.0",
+            *ALGORITHMS[algorithm],
+        ],
+    )
+    sim = Sim.start(cfg, tmp_path, step_times=[1.0, 1.0, 3.0], sync_time=0.1)
+    steps = 24
+    sim.run(steps)
+    rounds = steps // cfg.sync.every * cfg.fragments.count
+    assert _events(sim, "payload_resent") == []
+    assert not [e for e in _events(sim, "rejection") if "replay" in e["reason"]]
+    assert sum(svc.pushes for svc in sim.services.values()) == 3 * rounds
+    per_push = {svc.bytes_out // svc.pushes for svc in sim.services.values()}
+    assert len(per_push) == 1  # equal payloads: the bytes are 3 × rounds payloads, nothing more
+    assert sim.store.versions == [steps // cfg.sync.every] * cfg.fragments.count

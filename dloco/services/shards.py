@@ -163,5 +163,8 @@ class ShardedSyncer:
     def push(self, meta: Any, ref: Any) -> Any:
         return self.peers[owner(meta.fragment_id, len(self.peers))].push(meta, ref)
 
+    def holds(self, meta: Any) -> bool | None:
+        return self.peers[owner(meta.fragment_id, len(self.peers))].holds(meta)
+
     def decisions(self) -> list[tuple[Any, Any]]:
         return [d for peer in self.peers for d in peer.decisions()]

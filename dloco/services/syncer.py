@@ -80,6 +80,11 @@ class SyncerService:
             version = self.core.versions[p] if formed and 0 <= p < len(self.core.versions) else None
         return dataclasses.replace(d, version=version)
 
+    def holds(self, meta: ContributionMeta) -> bool:
+        """`SyncerCore.holds`: whether the push `meta` describes is pending, being merged or merged."""
+        with self.lock:
+            return self.core.holds(meta)
+
     def run_due(self) -> float | None:
         """Closes every round that is due; returns the seconds until the next deadline (None: none)."""
         while True:

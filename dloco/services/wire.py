@@ -62,4 +62,7 @@ class StorePeer(Protocol):
 class SyncerPeer(Protocol):
     def push(self, meta: Any, ref: Any) -> Any: ...  # the Decision, or None when it comes later
 
+    # whether the syncer has that push (pending, being merged or merged); None: not known yet (asked)
+    def holds(self, meta: Any) -> bool | None: ...
+
     def decisions(self) -> list[tuple[Any, Any]]: ...  # (meta, Decision) of pushes decided since the last call
