@@ -84,7 +84,7 @@ def test_seeded_schedule_is_carried_out_logged_and_k1_keeps_advancing(ray_cluste
 
     chaos_set = ("chaos.seed=2", "chaos.mtbf_s=12", "chaos.warmup_s=2", "chaos.payload_loss=0.05")
     cfg = config.load(
-        overrides=(*tiny_run, *RUN, "learners.count=3", "syncer.quorum=1", "budget.seconds=28", *chaos_set)
+        overrides=(*tiny_run, *RUN, "learners.count=3", "syncer.quorum=1", "budget.seconds=20", *chaos_set)
     )
     schedule = chaos.schedule(cfg.chaos, 3)
     assert [f.kind for f in schedule[:3]] == ["kill"] * 3
@@ -99,16 +99,19 @@ def test_seeded_schedule_is_carried_out_logged_and_k1_keeps_advancing(ray_cluste
         if e["event"] in ("learner_start", "learner_restart"):
             firsts.setdefault(e["learner"], e["t"])
     assert sorted(firsts) == [0, 1, 2]
-    up = max(firsts.values())
-    # every fault the schedule places before 26 s of the run is logged, in order, at its time (to
+    up, begun = max(firsts.values()), min(firsts.values())
+    # budget.seconds counts from the first registration: the run trained its 20 s, whatever the
+    # start-up took (reported as startup_s, from the `start` call)
+    assert summary["wall_time_s"] >= begun + 20 and summary["startup_s"] >= begun
+    # every fault the schedule places before 18 s of training is logged, in order, at its time (to
     # within the injector's latency: the driver shares 2 cores with 3 learners, the store and the
-    # syncer; 2.3 s late was seen in CI); a run starved of CPU may overrun its 28 s budget and carry
+    # syncer; 2.3 s late was seen in CI); a run starved of CPU may overrun its 20 s budget and carry
     # out later ones too
     logged = faults = [e for e in events if e["event"] == "fault"]
     assert [(f["target"], f["kind"], f["at"]) for f in faults] == [(f.target, f.kind, f.at) for f in schedule][
         : len(faults)
     ]
-    assert len(faults) >= len([f for f in schedule if up + f.at < 26]) >= 1
+    assert len(faults) >= len([f for f in schedule if up + f.at < begun + 18]) >= 1
     for f in faults:
         assert f["t"] == pytest.approx(up + f["at"], abs=3.0)
     carried = [f for f in logged if not f.get("skipped")]
@@ -132,11 +135,17 @@ def test_seeded_schedule_is_carried_out_logged_and_k1_keeps_advancing(ray_cluste
             t = first + 0.05 * i
             since = max([c for c in commits.get(p, []) if c <= t] + [b for a, b in idle if b <= t] + [first])
             assert t - since <= 5.0 or any(a <= t < b for a, b in idle), (p, t, since)
-    # and inside each down window long enough to hold several rounds of the live learners (once the
-    # run is merging at all: on a starved machine a kill can land while the others still compile)
+    # and inside each down window that holds 3 s or more of another learner training, i.e. several
+    # of its rounds (once the run is merging at all: on a starved machine a kill can land while the
+    # others still compile, and with kills every few seconds all three can be down or restarting at
+    # once: that time is no learner's)
     for d in downs:
-        if d["back"] is not None and d["back"] - d["killed"] >= 3.0 and d["killed"] > first:
-            assert [e for e in events if e["event"] == "merge" and d["killed"] < e["time"] < d["back"]], d
+        if d["back"] is None or d["killed"] <= first:
+            continue
+        lo, hi = d["killed"], d["back"]
+        live = (hi - lo) - sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in idle)
+        if live >= 3.0:
+            assert [e for e in events if e["event"] == "merge" and lo < e["time"] < hi], (d, live)
     assert 0 < summary["goodput"] < 1
     lt = summary["learner_time"]
     assert summary["goodput"] == pytest.approx(

@@ -112,9 +112,9 @@ def test_baselines_install_merges_as_their_papers_do():
     }
 
 
-def test_no_algorithm_times_its_pushes_dynamically_by_default():
+def test_only_decoupled_times_its_pushes_dynamically_by_default():
     dynamic = {a: config.load(overrides=(f"algorithm={a}",)).sync.dynamic for a in config.ALGORITHMS}
-    assert dynamic == {"decoupled": False, "diloco": False, "streaming": False, "dp": False, "elastic_dp": False}
+    assert dynamic == {"decoupled": True, "diloco": False, "streaming": False, "dp": False, "elastic_dp": False}
 
 
 def test_numbers_in_any_notation_from_yaml_and_overrides(tmp_path):

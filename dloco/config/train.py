@@ -216,20 +216,20 @@ class FragmentsConfig:
 class SyncConfig:
     """H = `every` inner steps between two sends of one fragment; τ = `overlap`.
 
-    `dynamic` (decoupled only; off by default until its Ray path is checked under learner kills):
-    dynamic local updates (DyLU, Liu et al. 2024), phase-locked. The syncer keeps a beat per
-    fragment, one period T = H·ξ_fastest apart (the fastest learner takes H steps a period), and
-    tells each pusher in how many steps its next push of that fragment is due: ⌈(T − lateness)/ξ_m⌉
-    − 1, ξ_m its own seconds per step, so that it lands just before the next beat. Learners of
-    different speeds take different numbers of steps but push together, and a round waits for its
-    beat, so its merge holds every learner's push of the period instead of one each: on a fleet of
-    speeds 1.0–1.2 this is what closes decoupled's gap to synchronous DiLoCo (`docs/RESULTS.md`, the
-    ablation ladder; `dloco.policy.Beat`). Off, each learner pushes every H of its own steps.
+    `dynamic` (decoupled only; on by default): dynamic local updates (DyLU, Liu et al. 2024),
+    phase-locked. The syncer keeps a beat per fragment, one period T = H·ξ_fastest apart (the
+    fastest learner takes H steps a period), and tells each pusher in how many steps its next push
+    of that fragment is due: ⌈(T − lateness)/ξ_m⌉ − 1, ξ_m its own seconds per step, so that it
+    lands just before the next beat. Learners of different speeds take different numbers of steps
+    but push together, and a round waits for its beat, so its merge holds every learner's push of
+    the period instead of one each: on a fleet of speeds 1.0–1.2 this is what closes decoupled's gap
+    to synchronous DiLoCo (`docs/RESULTS.md`, the ablation ladder; `dloco.policy.Beat`). Off, each
+    learner pushes every H of its own steps.
     """
 
     every: int = 24
     overlap: int = 2
-    dynamic: bool = False
+    dynamic: bool = True
 
     def __post_init__(self) -> None:
         _positive("sync", self, "every")
