@@ -104,7 +104,8 @@ def test_decoupled_at_equal_speeds_is_synchronous_diloco_bit_for_bit(tiny_run, t
     the drift between learners' schedules, which `sync.dynamic` removes (docs/RESULTS.md, ladder)."""
     base = (*(o for o in tiny_run if not o.startswith(("fragments.", "sync.overlap"))), "learners.count=3")
     base += ("data.shards=3",)  # diloco: τ = 0, overwrite (its defaults); decoupled: τ = 2, rebase
-    plain = ("outer.lr=1.0", "outer.momentum=0.0", "sync.dynamic=false")  # (diloco's default; decoupled's fixed)
+    # (diloco's outer step and schedule; and its float32 install: decoupled publishes int4 deltas by default)
+    plain = ("outer.lr=1.0", "outer.momentum=0.0", "sync.dynamic=false", "compression.publish=full")
     runs = {}
     for algorithm in ("diloco", "decoupled"):
         cfg = config.load(overrides=(*base, *plain, f"algorithm={algorithm}", "fragments.count=1"))

@@ -42,11 +42,12 @@ MAX_SCHEDULED_FAULTS = 1_000_000
 # merged model as it is (the paper's overwrite) and waits for it right after its push (τ = 0: with
 # τ > 0 the overwrite would discard the τ steps trained meanwhile, 8 % of the compute at H = 24,
 # τ = 2); streaming blends, Streaming DiLoCo's mixing of the local and the merged fragment. The
-# blocking algorithms push on the fixed schedule (sync.dynamic off: they wait for each merge anyway).
+# blocking algorithms push on the fixed schedule (sync.dynamic off: they wait for each merge anyway)
+# and receive the merged model in full (publish: full), as their papers and our measurements do.
 _DP = {
     "sync": {"every": 1, "overlap": 0, "dynamic": False},
     "fragments": {"count": 1},
-    "compression": {"dtype": "fp32", "error_feedback": False},
+    "compression": {"dtype": "fp32", "error_feedback": False, "publish": "full"},
     "merge": {"rule": "mean"},
     "syncer": {"grace_factor": 0.0, "max_staleness": 0},
     "learner": {"receive": "overwrite"},
@@ -57,10 +58,16 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "diloco": {
         "fragments": {"count": 1},
         "sync": {"overlap": 0, "dynamic": False},
+        "compression": {"publish": "full"},
         "syncer": {"grace_factor": 0.0},
         "learner": {"receive": "overwrite"},
     },
-    "streaming": {"sync": {"dynamic": False}, "syncer": {"grace_factor": 0.0}, "learner": {"receive": "blend"}},
+    "streaming": {
+        "sync": {"dynamic": False},
+        "compression": {"publish": "full"},
+        "syncer": {"grace_factor": 0.0},
+        "learner": {"receive": "blend"},
+    },
 }
 
 
