@@ -292,7 +292,9 @@ LADDER = (
 # point ran: merged fragments published in full); the default publishes deltas, its own rung
 DYLU_RUNG = "decoupled + DyLU, fleet speeds"
 DEFAULT_RUNG = "decoupled + DyLU, publish: delta (default)"
-EDGE_LRS = (9e-3, 1.2e-2)
+# (inner lr, seeds): at seed 0 synchronous DiLoCo read 1.95 % better at 9e-3 than at 6e-3, more than
+# the seed spread, so 9e-3 runs the ladder's seeds for both ends
+EDGE_LRS = ((9e-3, LADDER_SEEDS), (1.2e-2, (0,)))
 
 
 def ladder_rows(tiny: bool) -> list[dict]:
@@ -311,22 +313,14 @@ def ladder_rows(tiny: bool) -> list[dict]:
         out.append(row("dylu", "decoupled + DyLU", "shakespeare", 4, "decoupled", dylu, s, speeds="fleet"))
     out.append(row("dylu", "decoupled + DyLU", "stdlib", 4, "decoupled", dylu, 0, speeds="fleet", model="tiny"))
     # past the sweep's top inner lr, where every DiLoCo-family winner sat: the two ends of the ladder
-    for lr in EDGE_LRS:
+    for lr, seeds in EDGE_LRS:
         ov = (f"inner.lr={lr}",)
-        out.append(
-            row("edge", f"diloco, η 0.5 μ 0.5, inner lr {lr:g}", "stdlib", 4, "diloco", outer_ov(0.5, 0.5) + ov, 0)
-        )
-        out.append(
-            row(
-                "edge",
-                f"decoupled + DyLU, inner lr {lr:g}",
-                "stdlib",
-                4,
-                "decoupled",
-                PLAIN + ov + FULL + ("sync.dynamic=true",),
-                0,
+        for s in seeds:
+            out.append(
+                row("edge", f"diloco, η 0.5 μ 0.5, inner lr {lr:g}", "stdlib", 4, "diloco", outer_ov(0.5, 0.5) + ov, s)
             )
-        )
+            dylu_lr = PLAIN + ov + FULL + ("sync.dynamic=true",)
+            out.append(row("edge", f"decoupled + DyLU, inner lr {lr:g}", "stdlib", 4, "decoupled", dylu_lr, s))
     return out
 
 
