@@ -311,8 +311,8 @@ class CompressionConfig:
 
     Decision: `publish: delta` by default (decoupled; the baselines receive their merged model in
     full, as their papers do and as they were measured). The ablation ladder's delta rung reads
-    +0.34 % against full publish over seeds 0–2, inside the seed noise (per seed −0.43, +1.44,
-    −0.01 %), for 7.8× fewer bytes down: 186× fewer in all than fp32 data-parallel at H = 24, against
+    +0.23 % against full publish over 5 seeds, inside the seed noise (per seed −0.43, +1.44, −0.01,
+    −0.43, +0.55 %), for 7.8× fewer bytes down: 186× fewer in all than fp32 data-parallel at H = 24, against
     42.5× (`docs/RESULTS.md`, wire accounting).
     """
 
