@@ -79,6 +79,8 @@ class SyncerHandle:
         answer; False if the syncer died meanwhile (a restarted one holds nothing of the old one's)."""
         key = (meta.learner_id, meta.incarnation, meta.fragment_id, meta.step)
         with self._lock:
+            for old in [k for k in self._probes if k[:3] == key[:3] and k[3] < key[3]]:
+                del self._probes[old]  # asked about an older push, merged meanwhile: never asked again
             fut = self._probes.get(key)
             if fut is None:
                 self._probes[key] = self.actor.holds.remote(meta).future()
