@@ -62,7 +62,7 @@ def test_merge_events_count_the_published_delta_bytes(delta_run):
 
 
 def test_delta_publish_trains_like_full_publish(tiny_run, delta_run, tmp_path):
-    cfg = config.load(overrides=(*tiny_run, "learners.count=3"))
+    cfg = config.load(overrides=(*tiny_run, "learners.count=3", "compression.publish=full"))
     full = run_local(cfg, tmp_path, steps=48, step_times=[1.0, 1.1, 1.3], sync_time=0.5)
     a, b = full.evaluate(), delta_run.evaluate()
     assert abs(a - b) / a < 0.02, (a, b)
