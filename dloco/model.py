@@ -211,8 +211,9 @@ def init_params(model: nn.Module, seed: int, seq_len: int) -> dict:
 def _jitted_init(model: nn.Module, seq_len: int):
     """One compiled init per model and sequence length (modules are hashable, equal by their
     fields), so that a process building the same model again (an in-process run, a test) reuses it."""
-    tokens = jnp.zeros((1, seq_len), dtype=jnp.int32)
-    return jax.jit(lambda key: model.init(key, tokens)["params"])
+    # (the tokens are made inside: a caller may trace this under `jax.eval_shape`, and an array made
+    # out here would then be a tracer kept in the cache)
+    return jax.jit(lambda key: model.init(key, jnp.zeros((1, seq_len), dtype=jnp.int32))["params"])
 
 
 def count_params(params: dict) -> int:
