@@ -102,7 +102,7 @@ class Learner:
             who = f"spare-{os.getpid()}" if learner_id is None else f"learner-{learner_id}"
             limit_cpu(f"{namespace or 'default'}-{who}", self.cfg.learners.cpu_limit)
         # a spare, or a learner at the run's start: compile while the store and syncer start
-        self.warm = warm_up(self.cfg, self.mesh, expect)
+        self.warm = warm_up(self.cfg, self.mesh, expect, learner_id)
         if learner_id is not None:
             self._become(learner_id)
 

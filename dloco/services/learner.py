@@ -32,14 +32,16 @@ from dloco.learner import Delivery, LearnerCore, Push
 from dloco.services.wire import Clock, PayloadLostError, StorePeer, SyncerPeer, Transport, Update
 
 
-def warm_up(cfg: RunConfig, mesh, expect: dict | None = None) -> build.Blueprint:
-    """What a spare prepares before it takes an identity: the blueprint (the driver's tokenizer,
-    the corpus checked against the driver's), the training split mapped, and the train step
-    compiled by one step of a throwaway core on shard 0 (`inner.make_train_step` is cached, so the
-    real core reuses it; a group whose batch size differs compiles its own on its first step)."""
+def warm_up(cfg: RunConfig, mesh, expect: dict | None = None, learner_id: int | None = None) -> build.Blueprint:
+    """What a spare (`learner_id` None), or a learner before it first registers, prepares: the
+    blueprint (the driver's tokenizer, the corpus checked against the driver's), the training split
+    mapped, and the train step compiled by one step of a throwaway core on shard 0 with the
+    learner's batch size (`inner.make_train_step` is cached, so the real core reuses it; a spare
+    uses the first group's, and one that becomes a learner of another batch size compiles again)."""
     bp = build.blueprint(cfg, (expect or {}).get("tokenizer_json"))
-    build.check_corpus(cfg, bp.corpus, expect, "a spare learner")
-    stream = build.stream(cfg, bp.corpus.load_split("train"), 0, None, build.learner_batch_size(cfg, 0))
+    build.check_corpus(cfg, bp.corpus, expect, "a spare learner" if learner_id is None else f"learner {learner_id}")
+    batch = build.learner_batch_size(cfg, learner_id or 0)
+    stream = build.stream(cfg, bp.corpus.load_split("train"), 0, None, batch)
     versions = [0] * bp.plan.count
     LearnerCore(cfg, 0, 0, bp.model, mesh, bp.plan, list(bp.initial), versions, stream).step(step_time=0.0)
     return bp
