@@ -84,7 +84,7 @@ def median(rows: list[dict], key: str) -> float | None:
 
 
 def table(results: dict) -> str:
-    head = "| label | cache | store up | syncer up | first step | first merge | wall (40 steps) |"
+    head = "| label | cache | store up | syncer up | first learner registered | first merge | wall (40 steps) |"
     lines = [head, "|" + "---|" * 7]
     for label, by in results.items():
         for kind in ("cold", "warm"):
@@ -103,10 +103,13 @@ def report(results: dict) -> str:
             "",
             "Seconds from the `dloco train` command to each stage (median over the pairs in parentheses), on "
             f"{any_row['cores']} cores, the built-in defaults with `{' '.join(any_row['sets'])}`: the store "
-            "and the syncer constructed, the first learner registered (its train step compiled, so its first "
-            "step follows), the first merge committed, and the command's whole wall time. *cold*: an empty JAX "
-            "compilation cache; *warm*: the same cache on the next run. Rows of other labels ran another "
-            "checkout's CLI in the same sitting.",
+            "and the syncer constructed, the first learner registered, the first merge committed, and the "
+            "command's whole wall time. Since the start-up change a learner registers with its train step "
+            "compiled, so its first step follows at once; before it, a learner registered first and compiled "
+            "on its first step, so *before* rows' registration comes earlier than their first step. *cold*: an "
+            "empty JAX compilation cache; *warm*: the same cache on the next run. Rows of other labels ran "
+            "another checkout's CLI in the same sitting, one pair each: single runs on a shared 2-core machine, "
+            "so differences of a few seconds are noise.",
             "",
             table(results),
         ]
