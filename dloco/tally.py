@@ -109,7 +109,10 @@ class Tally:
         self.last[kind] = e
         t = float(e.get("time", 0.0))
         if kind == "learner_start":
-            self._learner(int(e["learner"]), t)
+            # events of the store and the syncer are drained separately: a merge of the learner's
+            # push may be tallied before its registration, and provisioning starts at the earlier
+            acc = self._learner(int(e["learner"]), t)
+            acc["start"] = min(float(acc["start"] or t), t)
             self.first_start = t if self.first_start is None else min(self.first_start, t)
         elif kind == "spare_start":
             self._spares[int(e["spare"])] = [t, None]

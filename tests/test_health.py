@@ -136,3 +136,16 @@ def test_start_up_is_measured_from_the_launch_to_the_first_registration_and_the_
     assert tally.first_start == 112.5
     assert s["startup_s"] == 12.5 and s["first_merge_s"] == 15.0
     assert summarize(tally, **args, **{**rest, "launched": None})["startup_s"] == 11.5  # from the tally's start
+
+
+def test_a_registration_tallied_after_the_learners_first_merge_still_starts_its_provisioning():
+    """The driver drains the syncer's and the store's events separately: learner 0's first merge
+    (at 10 s) can reach the tally before its registration (at 4 s). Provisioning starts at the
+    registration, so goodput stays at most 1: 6 merged seconds of 16 provisioned, not of 10 (a
+    two-node run printed goodput 1.233 this way)."""
+    tally = Tally(fragments=1, stall_threshold=30.0, start=0.0)
+    tally.add({**_merge(10.0), "steps": [6], "inner_steps": [6], "cycle_s": [1.0]})
+    tally.add({"event": "learner_start", "time": 4.0, "learner": 0, "incarnation": 1})
+    t = tally.learner_time(20.0)[0]
+    assert t["provisioned"] == 16.0 and t["merged"] == 6.0
+    assert tally.goodput(20.0) == 6.0 / 16.0
