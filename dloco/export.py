@@ -14,17 +14,22 @@ that verifies (`read_global`), so a running store may go on writing beside it; a
 fragment that never merged is still its initial Θ_p⁰. ``snapshot=N`` reads the state after N
 commits instead (one of the snapshots the store keeps): with P fragments, each with its own
 version, the snapshots are the consistent cuts that exist on disk.
+
+An export is written complete or not at all (a ``tmp-*`` directory beside it, renamed into place),
+and what does not read as one (a truncated, empty or foreign model file, a ``dloco.json`` or
+``config.json`` other than `export` writes) raises `ModelReadError` naming the file: ``dloco eval``
+ends with that one line and exit 2 (`actors.cli`), not a traceback.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +46,14 @@ from dloco.store import SNAP_NAME, WAL_NAME, CorruptFileError, load_fragment
 
 FORMATS = ("safetensors", "orbax")
 META = "dloco.json"
+READ_ATTEMPTS = 8  # reads of a store that pruned what was being read, before `read_global` gives up
+
+
+class ModelReadError(ValueError):
+    """A model that cannot be read: a damaged export (the message names the file), or a run's
+    store that pruned what was being read on every one of `READ_ATTEMPTS` reads. A ValueError, so
+    the CLI ends with one line and exit 2 (`actors.cli._expected`); deliberately not a
+    FileNotFoundError, which `read_shards` takes for a shard with nothing merged yet (Θ_p⁰)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,25 +86,60 @@ def read_global(root: str | os.PathLike, count: int, snapshot: int | None = None
     is Θ_p⁰, where from). The newest snapshot that
     verifies, then each fragment's newest log file that verifies, if newer; with `snapshot`, that
     snapshot (``snap-<snapshot>``, the state after that many commits) alone. Raises
-    `FileNotFoundError` naming what is there when nothing (or not that snapshot) verifies."""
-    root, source = Path(root), ""
+    `FileNotFoundError` naming what is there when nothing (or not that snapshot) verifies.
+
+    A running store prunes as it snapshots (`StoreCore._prune`: older snapshots, and the log files
+    the oldest kept one covers), so a file listed here may be gone when it is read. Falling back
+    to what else was listed is then wrong: with ``store.keep=1`` the older snapshot is gone too,
+    and a fragment with commits read as Θ_p⁰ (206 of 8,455 reads racing a store). So a read that
+    found a listed file missing while the store's listing changed starts over from a new listing,
+    and after `READ_ATTEMPTS` such reads raises `ModelReadError`. A file missing from a listing
+    that did not change is damage, and is skipped as a damaged one is (as the store's own restore
+    does). The log is listed before the snapshots: a log file pruned after that is covered by a
+    snapshot the later listing holds, so no fragment reads older than it was when the read began."""
+    root = Path(root)
+    for _ in range(READ_ATTEMPTS):
+        if (got := _read_global_once(root, count, snapshot)) is not None:
+            return got
+    raise ModelReadError(
+        f"{root}: the store pruned the files of its state as they were read, {READ_ATTEMPTS} times in a row "
+        "(a run snapshotting faster than it can be read); try again"
+    )
+
+
+def _listing(root: Path, snapshot: int | None) -> tuple[list, list]:
+    """(log files, snapshot directories) of a store directory, oldest first; no log for `snapshot`."""
+    log = durable.numbered(root / "wal", WAL_NAME) if snapshot is None and (root / "wal").is_dir() else []
+    return log, [(n, p) for (n,), p in durable.numbered(root, SNAP_NAME) if p.is_dir()]
+
+
+def _read_global_once(root: Path, count: int, snapshot: int | None) -> tuple[list, list, str] | None:
+    """One read of `read_global`; None when a listed file vanished as the store moved on (read again)."""
+    source, missing = "", False
     frs: list = [None] * count
-    snaps = [(n, p) for (n,), p in durable.numbered(root, SNAP_NAME) if p.is_dir()]
+    log, snaps = _listing(root, snapshot)  # the log first (`read_global`)
     for _, snap in reversed([(n, p) for n, p in snaps if snapshot in (None, n)]):
-        with contextlib.suppress(CorruptFileError):
+        try:
             frs, source = list(load_fragment(snap / f"p{p:03d}.npz") for p in range(count)), snap.name
             break
-    if snapshot is not None and not source:
-        raise FileNotFoundError(f"{root}: no intact snapshot after {snapshot} commits (kept: {[n for n, _ in snaps]})")
-    log = durable.numbered(root / "wal", WAL_NAME) if snapshot is None and (root / "wal").is_dir() else []
+        except CorruptFileError as e:
+            missing = missing or e.reason == "missing"
     for p in range(count):
         for (_, v), path in reversed([e for e in log if e[0][0] == p]):
             held = frs[p]
             if held is not None and v <= held.version:
                 break
-            with contextlib.suppress(CorruptFileError):
+            try:
                 frs[p], source = load_fragment(path), source or "log"
                 break
+            except CorruptFileError as e:
+                missing = missing or e.reason == "missing"
+    if missing:
+        now_log, now_snaps = _listing(root, snapshot)
+        if now_snaps != snaps or not set(log) <= set(now_log):  # pruned (or set aside) under this read
+            return None
+    if snapshot is not None and not source:
+        raise FileNotFoundError(f"{root}: no intact snapshot after {snapshot} commits (kept: {[n for n, _ in snaps]})")
     if all(f is None for f in frs):
         raise FileNotFoundError(f"{root}: no commit to read (is it a run's store directory, and has it merged?)")
     return [0 if f is None else f.version for f in frs], [None if f is None else f.values for f in frs], source
@@ -148,27 +196,24 @@ def read_run(run_dir: str | os.PathLike, snapshot: int | None = None) -> Exporte
 
 def export(run_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, snapshot: int | None = None) -> dict:
     """Writes the run's global model to the directory `out` (created; must be empty or absent)
-    in `fmt` (safetensors | orbax); returns what ``dloco.json`` holds."""
+    in `fmt` (safetensors | orbax); returns what ``dloco.json`` holds.
+
+    Complete or not at all (`durable.write_dir`): written into a ``tmp-*`` directory beside `out`,
+    every file fsynced, then renamed to `out`. Written in place, a failure (disk full) or a kill
+    midway left a half export that ``dloco eval`` read (or, its ``dloco.json`` not yet written,
+    took for a run directory) and that refused the same --out again; now no `out` appears, and
+    the temporary directory is removed (a kill leaves it, named ``tmp-*``)."""
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out}: exists and is not an empty directory; choose a new --out")
+
+    def refuse_a_used_out() -> None:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise FileExistsError(f"{out}: exists and is not an empty directory; choose a new --out")
+
+    refuse_a_used_out()
     m = read_run(run_dir, snapshot)
-    out.mkdir(parents=True, exist_ok=True)
     flat = flatten(m.params)
-    if fmt == "safetensors":
-        from safetensors.numpy import save_file
-
-        save_file(flat, str(out / "model.safetensors"), metadata={"format": "dloco", "versions": str(m.versions)})
-    else:
-        import orbax.checkpoint as ocp
-
-        with ocp.StandardCheckpointer() as ckpt:
-            ckpt.save((out / "orbax").absolute(), m.params)
-    (out / "config.json").write_text(json.dumps(m.cfg.to_dict(), indent=2))
-    if m.tokenizer_file is not None and m.cfg.data.tokenizer != "byte":
-        shutil.copy(m.tokenizer_file, out / "tokenizer.json")
     meta = {
         "format": fmt,
         "versions": m.versions,
@@ -176,31 +221,133 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, snapsho
         "parameters": int(sum(x.size for x in flat.values())),
         "vocab_size": m.vocab_size,
     }
-    (out / META).write_text(json.dumps(meta, indent=2))
+
+    def fill(d: Path) -> None:
+        _mode_of_a_new_dir(d)
+        if fmt == "safetensors":
+            from safetensors.numpy import save_file
+
+            save_file(flat, str(d / "model.safetensors"), metadata={"format": "dloco", "versions": str(m.versions)})
+        else:
+            import orbax.checkpoint as ocp
+
+            with ocp.StandardCheckpointer() as ckpt:
+                ckpt.save((d / "orbax").absolute(), m.params)
+        (d / "config.json").write_text(json.dumps(m.cfg.to_dict(), indent=2))
+        if m.tokenizer_file is not None and m.cfg.data.tokenizer != "byte":
+            shutil.copy(m.tokenizer_file, d / "tokenizer.json")
+        (d / META).write_text(json.dumps(meta, indent=2))
+        _fsync_tree(d)
+        refuse_a_used_out()  # again: `write_dir` replaces what is at `out`, and the export took a while
+
+    out.parent.mkdir(parents=True, exist_ok=True)  # with the umask's mode, as `out` (`_mode_of_a_new_dir`)
+    durable.write_dir(out, fill)
     return meta
 
 
-def read_export(path: str | os.PathLike) -> Exported:
-    """An export written by `export`."""
-    path = Path(path)
-    meta = json.loads((path / META).read_text())
-    cfg = config.from_dict(json.loads((path / "config.json").read_text()))
-    if meta["format"] == "safetensors":
-        from safetensors.numpy import load_file
+def _mode_of_a_new_dir(d: Path) -> None:
+    """Gives `d` the mode ``mkdir`` would under the umask (0755 as a rule): `durable.write_dir`'s
+    temporary directory is private (0700, `tempfile.mkdtemp`), and an export is for other users and
+    services to read. The umask is read off a directory made for it: `os.umask` can only be read by
+    setting it, which would change it under the process's other threads meanwhile."""
+    probe = d / "mode"
+    probe.mkdir()
+    mode = probe.stat().st_mode & 0o777
+    probe.rmdir()
+    d.chmod(mode)
 
-        params = unflatten(load_file(str(path / "model.safetensors")))
+
+def _fsync_tree(d: Path) -> None:
+    """Makes every file and directory entry under `d` durable before it is renamed into place: a
+    rename may reach the disk before the data it names, leaving empty files after a power loss."""
+    for p in d.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for sub in [d, *(p for p in d.rglob("*") if p.is_dir())]:
+        durable.fsync_dir(sub)
+
+
+def read_export(path: str | os.PathLike) -> Exported:
+    """An export written by `export`; `ModelReadError` naming the file of it that does not read."""
+    path = Path(path)
+    meta = _json_object(path / META)
+    for key, kind in (("format", str), ("versions", list), ("vocab_size", int)):
+        if key not in meta:
+            raise ModelReadError(f'{path / META}: no "{key}": not as dloco export writes it (damaged?)')
+        if not isinstance(meta[key], kind):
+            raise ModelReadError(f'{path / META}: "{key}" is {meta[key]!r}, not a {kind.__name__}')
+    raw = _json_object(path / "config.json")
+    try:
+        cfg = config.from_dict(raw)
+    except ValueError as e:  # a ConfigError
+        raise ModelReadError(f"{path / 'config.json'}: config error: {e}") from None
+    if meta["format"] == "safetensors":
+        params = unflatten(_read_safetensors(path / "model.safetensors"))
     elif meta["format"] == "orbax":
         import orbax.checkpoint as ocp
 
-        with ocp.StandardCheckpointer() as ckpt:
-            params = ckpt.restore((path / "orbax").absolute())
+        try:
+            with ocp.StandardCheckpointer() as ckpt:
+                params = ckpt.restore((path / "orbax").absolute())
+        except Exception as e:  # orbax and tensorstore fail on a damaged checkpoint in many ways
+            raise ModelReadError(
+                f"{path / 'orbax'}: not a readable Orbax checkpoint ({type(e).__name__}: {e})"
+            ) from None
         params = unflatten({n: np.asarray(x, np.float32) for n, x in flatten(params).items()})
     else:
-        raise ValueError(f"{path / META}: unknown format {meta['format']!r}")
+        raise ModelReadError(f"{path / META}: unknown format {meta['format']!r}")
     tok = path / "tokenizer.json"
     return Exported(
         cfg, params, list(meta["versions"]), str(path), int(meta["vocab_size"]), tok if tok.exists() else None
     )
+
+
+def _json_object(file: Path) -> dict:
+    """The JSON object in `file`; `ModelReadError` naming it if it is not one."""
+    try:
+        obj = json.loads(file.read_bytes())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ModelReadError(f"{file}: not JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ModelReadError(f"{file}: not a JSON object but a {type(obj).__name__}")
+    return obj
+
+
+def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file, its header checked against the file first: the file
+    starts with the 8-byte little-endian length of a JSON header, which a damaged file can give as
+    2**62 (read as is, a request for that much memory), and a truncated copy ends before the byte
+    ranges its header gives the tensors. Either, and whatever else the library refuses, is a
+    `ModelReadError` naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    size = file.stat().st_size
+    with file.open("rb") as fh:
+        if size < 8:
+            raise ModelReadError(f"{file}: {size} bytes, not even the 8-byte length of its header: truncated or empty")
+        (n,) = struct.unpack("<Q", fh.read(8))
+        if n > size - 8:
+            raise ModelReadError(
+                f"{file}: a header of {n:,} bytes in a file of {size:,} bytes: truncated, or not a safetensors file"
+            )
+        try:
+            header = json.loads(fh.read(n))
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise ModelReadError(f"{file}: its header is not safetensors JSON ({type(e).__name__}: {e})") from None
+    if end > size - 8 - n:
+        raise ModelReadError(
+            f"{file}: truncated: its tensors need {end:,} bytes after the header, it holds {size - 8 - n:,}"
+        )
+    try:
+        return load_file(str(file))
+    except SafetensorError as e:
+        raise ModelReadError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 def load(path: str | os.PathLike, snapshot: int | None = None) -> Exported:
