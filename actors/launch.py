@@ -2,13 +2,17 @@
 
 `connect` joins the cluster named by the caller or RAY_ADDRESS (failing fast with one line if it
 does not answer), or starts a local one that listens on 127.0.0.1 only; `start` checks the run
-(`dloco.preflight`: before Ray starts and before anything is written), then writes the run
-directory's ``config.json`` and ``fingerprint.json`` and hands over to `actors.supervisor.RunHandle`,
-which spawns the store, syncer and learner actors and supervises them.
+(`dloco.preflight`: before Ray starts and before anything is written), claims the run directory
+(`claim_run_dir`: creates it 0700 and locks it, so that a second start on it neither writes into it
+nor deletes from it), then writes its ``config.json`` and ``fingerprint.json`` and hands over to
+`actors.supervisor.RunHandle`, which spawns the store, syncer and learner actors and supervises them.
+Ray's token file, which lets whoever reads it run code in the cluster, is kept private to this user
+(`protect_auth_token`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -16,6 +20,7 @@ import stat
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +30,15 @@ from ray._private import ray_constants
 
 from actors.health import auth_mode
 from actors.supervisor import RunHandle
-from dloco import preflight
+from dloco import durable, preflight
 from dloco.config import RunConfig
 
 __all__ = ["RunHandle", "connect", "start"]
+
+# How long a start waits for another start's claim on its run dir (`claim_run_dir`) before it gives up.
+# Another start holds it while its actors start (a minute, compiling), and whatever it leaves, a run
+# or nothing, this start would then have to refuse or redo: failing soon with who holds it is clearer.
+CLAIM_WAIT_S = 2.0
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:
@@ -53,6 +63,7 @@ def connect(address: str | None, num_cpus: int | None = None, object_store_mb: i
     """
     if ray.is_initialized():
         return False
+    protect_auth_token()  # one an earlier Ray (or `ray get-auth-token --generate`) left readable
     quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": "ERROR"}
     if address or os.environ.get("RAY_ADDRESS"):
         target = address or os.environ["RAY_ADDRESS"]
@@ -73,6 +84,8 @@ def connect(address: str | None, num_cpus: int | None = None, object_store_mb: i
     # missing; a client without the token, e.g. another local user, is refused) unless the user set
     # RAY_AUTH_MODE themselves, and a temp dir only this user can enter.
     chosen = os.environ.get("RAY_AUTH_MODE")
+    if chosen is None or chosen.lower() == "token":
+        private_token_dir()
     ray.init(
         address="local",
         num_cpus=num_cpus,
@@ -82,6 +95,7 @@ def connect(address: str | None, num_cpus: int | None = None, object_store_mb: i
         _temp_dir=private_temp_dir(),
         **quiet,
     )
+    protect_auth_token()  # the token `ray.init` may just have generated
     if chosen is not None and auth_mode() != "token":
         sys.stderr.write(f"dloco: warning: RAY_AUTH_MODE={chosen}: any local user can run code in this Ray cluster\n")
     elif chosen is None and auth_mode() != "token":
@@ -93,17 +107,103 @@ def connect(address: str | None, num_cpus: int | None = None, object_store_mb: i
     return True
 
 
-def _remove_new(run_dir: Path, existed: bool, before: set[str]) -> None:
-    """Removes what a failed start wrote: the run dir if it made it, else the entries it added."""
-    if not existed:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        return
-    for name in set(os.listdir(run_dir)) - before:
-        path = run_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+def private_token_dir() -> bool:
+    """Creates ``~/.ray``, where Ray generates its token, with mode 0700 unless it exists; returns
+    whether it did. Ray makes it 0755 and writes the token with a plain ``open(path, "w")`` (0644 under
+    the usual umask): in a directory only this user can enter, the token is never readable by others,
+    not even before `protect_auth_token` narrows its mode."""
+    try:
+        (Path.home() / ".ray").mkdir(mode=0o700)
+    except FileExistsError:
+        return False
+    return True
+
+
+def protect_auth_token() -> list[Path]:
+    """Makes the token files Ray reads (``~/.ray/auth_token``, and the file ``RAY_AUTH_TOKEN_PATH``
+    names) readable by this user only (0600); returns those it changed. Whoever can read the token
+    can run code in the cluster as this user.
+
+    Only a regular file of this user is changed: a link is never followed (a link planted there
+    would have dloco change the mode of the file it names), and another user's file is theirs.
+    A directory is left as it is: ``~/.ray`` is 0700 when dloco made it (`private_token_dir`), and a
+    file of mode 0600 is private in any directory.
+    """
+    paths = [Path.home() / ".ray" / "auth_token"]
+    if named := os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        paths.append(Path(named).expanduser())
+    changed = []
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # none there, a link, or not ours to read
+            continue
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077:
+                os.fchmod(fd, 0o600)
+                changed.append(path)
+        except OSError as e:
+            sys.stderr.write(f"dloco: warning: cannot make {path} private (chmod 600 it yourself): {e}\n")
+        finally:
+            os.close(fd)
+    return changed
+
+
+class RunDirClaim:
+    """This start's hold on its run directory (`claim_run_dir`): what was there before it, and what
+    it made, so that a failed start removes exactly what it added and nothing else."""
+
+    def __init__(self, path: Path, lock: durable.RunDirLock, made: bool) -> None:
+        self.path, self.lock, self.made = path, lock, made
+        self.before = set(os.listdir(path)) - ({lock.path.name} if lock.created else set())
+
+    def remove_new(self) -> None:
+        """Removes what this start added while it held the claim (and the directory if it made it
+        and it is then empty), never what was there before: while the claim is held, no other start
+        writes here, and an older run's actors write only into entries that were there before."""
+        for name in set(os.listdir(self.path)) - self.before - {self.lock.path.name}:
+            path = self.path / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        self.lock.release(remove=True)  # only if this start created the lock file
+        if self.made:
+            with contextlib.suppress(OSError):  # not empty: another start came and holds it now
+                self.path.rmdir()
+
+
+@contextlib.contextmanager
+def claim_run_dir(path: Path, resume: bool) -> Iterator[RunDirClaim]:
+    """Creates `path` (and missing parents) with mode 0700 and holds its lock (``path/LOCK``, the
+    ``run`` role of `dloco.durable.RunDirLock`) until the block ends: from before this start writes
+    anything there until its store holds the store's own lock, or the start failed and cleaned up.
+
+    Two starts on one new run dir both pass the preflight before either writes; without the claim
+    both wrote their config, one store lost the store's lock, and that start removed the directory
+    it thought it had made, the winning run's files with it. Now the second start waits for the
+    claim (`CLAIM_WAIT_S`), then fails with `RunDirLocked` naming the holder, or, once the first has
+    started, finds a run there and refuses (`PreflightError`); either way it wrote and removes nothing.
+    A directory this start made but could not claim is another start's now: it is left alone.
+    """
+    lock = durable.RunDirLock(path, role="run")
+    for attempt in range(3):
+        made = durable.mkdir(path)
+        try:
+            lock.acquire(CLAIM_WAIT_S)
+            break
+        except FileNotFoundError:  # a start that had made it failed and removed it as this one came: make it again
+            if attempt == 2:
+                raise
+    try:
+        if not resume and preflight.holds_run(path):  # another start got here first, after our preflight
+            raise preflight.PreflightError(
+                f"run dir {path} already holds a run: pass --resume to continue it or another --run-dir"
+            )
+        yield RunDirClaim(path, lock, made)
+    finally:
+        lock.release()  # idempotent: `remove_new` may have released (and removed) it already
 
 
 def private_temp_dir() -> str:
@@ -148,8 +248,8 @@ def start(
     call started, a learner group that fits on no node is an error and the cluster is shut down; on
     a joined cluster it is a warning on stderr, since nodes may still join: docs/CLUSTER.md) →
     `dloco.preflight.check_devices` (the driver's evaluation batch against its devices) →
-    `dloco.preflight.record` (creates the run dir, writes the config and ``fingerprint.json``) →
-    `RunHandle`, which spawns the actors.
+    `claim_run_dir` (creates the run dir 0700 and locks it until the store holds its own lock) →
+    `dloco.preflight.record` (writes the config and ``fingerprint.json``) → `RunHandle`, which spawns the actors.
 
     Raises:
       PreflightError: a check failed (one line naming the field or file, and the fix).
@@ -178,17 +278,16 @@ def start(
             jax.config.update("jax_compilation_cache_dir", str(Path(cfg.learners.compile_cache_dir).expanduser()))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         preflight.check_devices(cfg)  # starts JAX's runtime in this process: only once Ray has forked its own
-        existed = pf.run_dir.exists()
-        before = set(os.listdir(pf.run_dir)) if existed else set()
-        preflight.record(pf, cfg)
-        try:
-            handle = RunHandle(cfg, pf.run_dir, owns, progress, launched)
-            handle.resumed = resume
-            return handle
-        except BaseException:
-            if not resume:  # the run never started (e.g. its store could not): leave nothing behind
-                _remove_new(pf.run_dir, existed, before)
-            raise
+        with claim_run_dir(pf.run_dir, resume) as claim:
+            preflight.record(pf, cfg)
+            try:
+                handle = RunHandle(cfg, pf.run_dir, owns, progress, launched)
+                handle.resumed = resume
+                return handle
+            except BaseException:
+                if not resume:  # the run never started (e.g. its store could not): leave nothing behind
+                    claim.remove_new()
+                raise
     except BaseException:
         if owns:
             ray.shutdown()

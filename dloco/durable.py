@@ -13,6 +13,11 @@
 - `RunDirLock`: one process per directory (``fcntl.flock`` on a lock file holding the holder's pid
   and host); a second store refuses to start instead of interleaving its commits with the first.
 - `clean_tmp`: removes what an interrupted `write` or snapshot left behind.
+
+Nothing here writes through a symlink: files are created under fresh random names with
+``O_CREAT | O_EXCL | O_NOFOLLOW`` (`tempfile`) and renamed over the final name, which replaces a link
+planted there rather than following it, and the lock file is opened with ``O_NOFOLLOW``. Directories
+are created 0700 and files 0600, whatever the umask: a run's state is its user's only.
 """
 
 from __future__ import annotations
@@ -69,28 +74,35 @@ def write(path: str | os.PathLike, payload: bytes) -> None:
     replace_bytes(path, _HEADER.pack(MAGIC, len(payload), _digest(payload)), payload)
 
 
-def replace_bytes(path: str | os.PathLike, *parts: bytes) -> None:
+def replace_bytes(path: str | os.PathLike, *parts: bytes, sync: bool = True) -> None:
     """Atomically and durably replaces `path` with the concatenated `parts` as they are (a copy of a
-    file `write` made keeps its header, so it verifies wherever it lands)."""
-    _replace(path, lambda fh: [fh.write(part) for part in parts])
+    file `write` made keeps its header, so it verifies wherever it lands). Without `sync`, atomic but
+    not fsynced: for a file rewritten every few seconds that a power loss may take back (a status)."""
+    _replace(path, lambda fh: [fh.write(part) for part in parts], sync)
 
 
-def _replace(path: str | os.PathLike, fill: Callable[[BinaryIO], object]) -> None:
+def _replace(path: str | os.PathLike, fill: Callable[[BinaryIO], object], sync: bool = True) -> None:
     """`fill` writes a temporary file beside `path` (open for reading too), which is fsynced and
-    renamed over `path`, and the directory fsynced; on any error the temporary file is removed."""
+    renamed over `path`, and the directory fsynced; on any error the temporary file is removed.
+
+    The temporary file gets a random name, is created only if nothing (not even a link) is there
+    (`tempfile.mkstemp`: ``O_EXCL | O_NOFOLLOW``, mode 0600), and the rename replaces a link at
+    `path` instead of following it: a link planted at either name cannot redirect the write."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "w+b") as fh:
             fill(fh)
             fh.flush()
-            os.fsync(fh.fileno())
+            if sync:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)
 
 
 def read(path: str | os.PathLike, legacy: bool = False) -> bytes:
@@ -208,7 +220,7 @@ def quarantine(root: str | os.PathLike, path: str | os.PathLike, reason: str) ->
         n += 1
         dest = qdir / f"{base}.{n}"
     try:
-        qdir.mkdir(exist_ok=True)
+        qdir.mkdir(mode=0o700, exist_ok=True)
         os.replace(path, dest)
     except OSError as e:  # e.g. a read-only disk: left in place, found damaged again at the next start
         return {**record, "error": f"{type(e).__name__}: {e}"}
@@ -218,13 +230,23 @@ def quarantine(root: str | os.PathLike, path: str | os.PathLike, reason: str) ->
     return {**record, "moved_to": str(dest)}
 
 
-def mkdir(d: str | os.PathLike) -> None:
-    """Creates `d` (and missing parents) durably: each new entry in its parent directory is fsynced."""
+def mkdir(d: str | os.PathLike) -> bool:
+    """Creates `d` (and missing parents) durably: each new entry in its parent directory is fsynced.
+    Each directory it creates has mode 0700 (a run's files are its user's only: a readable run dir
+    shows the model, a writable one lets others plant links). Returns whether this call created `d`
+    (False: it was there, or another process made it first)."""
     d = Path(d)
-    if not d.is_dir():
-        mkdir(d.parent)
-        d.mkdir(exist_ok=True)
-        fsync_dir(d.parent)
+    if d.is_dir():
+        return False
+    mkdir(d.parent)
+    try:
+        d.mkdir(mode=0o700)
+    except FileExistsError:
+        if not d.is_dir():
+            raise
+        return False
+    fsync_dir(d.parent)
+    return True
 
 
 def numbered(directory: str | os.PathLike, pattern: re.Pattern) -> list[tuple[tuple[int, ...], Path]]:
@@ -256,42 +278,73 @@ class RunDirLock:
     `flock` locks belong to the open file, so the kernel drops it when the holder's process dies,
     however it dies; two locks from one process conflict as well. `acquire` retries for `wait_s`
     seconds, so that a store restarting while its predecessor process still exits gets the lock.
+    `role` names the holder in the refusal (a ``store``, or the ``run`` that `actors.launch.start`
+    claims the run dir for).
+
+    The lock file is created 0600 and never opened through a link (one planted there would make
+    the holder's pid overwrite the file it names). A holder may remove the lock file it created
+    (`release(remove=True)`, a failed start cleaning up): whoever waited on it then finds that the
+    name no longer leads to the file it locked, and locks the file there now instead.
     """
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, role: str = "store") -> None:
         self.directory = Path(directory)
         self.path = self.directory / "LOCK"
+        self.role = role
+        self.created = False  # whether the holder created the lock file (so it may remove it)
         self._fd: int | None = None
 
     @property
     def held(self) -> bool:
         return self._fd is not None
 
+    def _open(self) -> tuple[int, bool]:
+        """A read-only descriptor of the lock file, created if missing, and whether this call created it."""
+        while True:
+            with contextlib.suppress(FileExistsError):
+                return os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), True
+            with contextlib.suppress(FileNotFoundError):  # removed in between: create it
+                return os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW), False
+
+    def _names(self, fd: int) -> bool:
+        """Whether the lock file's name still leads to the file open as `fd` (not removed meanwhile)."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
     def acquire(self, wait_s: float = 10.0) -> None:
         """Takes the lock or raises `RunDirLocked` (one line: the directory, the holder, the fix)."""
         if self._fd is not None:
             return
-        # held through a read-only descriptor: flock needs no more, and a file open for writing
-        # would keep the file system from being remounted read-only
-        fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
         deadline = time.monotonic() + wait_s
         while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # held through a read-only descriptor: flock needs no more, and a file open for writing
+            # would keep the file system from being remounted read-only
+            fd, created = self._open()
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        holder = self.holder()
+                        os.close(fd)
+                        raise RunDirLocked(
+                            f"{self.role} dir {self.directory} is in use by another {self.role} (pid "
+                            f"{holder.get('pid', '?')} on host {holder.get('host', '?')}): stop that run or use "
+                            "another --run-dir"
+                        ) from None
+                    time.sleep(0.05)
+            if self._names(fd):
                 break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = self.holder()
-                    os.close(fd)
-                    raise RunDirLocked(
-                        f"store dir {self.directory} is in use by another store (pid {holder.get('pid', '?')} on "
-                        f"host {holder.get('host', '?')}): stop that run or use another --run-dir"
-                    ) from None
-                time.sleep(0.05)
-        self._fd = fd
+            os.close(fd)  # its holder removed it before letting go: lock the file there now
+        self._fd, self.created = fd, created
         with contextlib.suppress(OSError):  # who holds it: only informative, so a full disk is no error
             info = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
-            wfd = os.open(self.path, os.O_WRONLY)
+            wfd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW)
             try:
                 os.pwrite(wfd, info, 0)  # before truncating: a full disk may still overwrite a page
                 os.ftruncate(wfd, len(info))
@@ -303,7 +356,7 @@ class RunDirLock:
         """Whether another process holds the lock, without taking it or writing anything: None if
         it is free (or was never created), else the holder's pid and host ({} if unknown)."""
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return None
         try:
@@ -322,10 +375,15 @@ class RunDirLock:
             return {}
         return obj if isinstance(obj, dict) else {}
 
-    def release(self) -> None:
-        """Drops the lock (idempotent); the lock file stays, so no holder ever unlinks another's."""
+    def release(self, remove: bool = False) -> None:
+        """Drops the lock (idempotent). The lock file stays, so no holder ever unlinks another's; with
+        `remove`, a lock file this holder created is removed first, while still locked (waiters then
+        lock a new one: `acquire`)."""
         fd, self._fd = self._fd, None
         if fd is not None:
+            if remove and self.created and self._names(fd):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)

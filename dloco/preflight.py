@@ -91,8 +91,8 @@ def record(pf: Preflight, cfg: RunConfig) -> Path:
 
 
 def _write_json(path: Path, value: Any) -> None:
-    (tmp := path.with_name(f".{path.name}.tmp")).write_text(json.dumps(value, indent=2))
-    os.replace(tmp, path)
+    """Atomically, 0600, through a fresh temporary file (a link planted beside `path` is not followed)."""
+    durable.replace_bytes(path, json.dumps(value, indent=2).encode())
 
 
 # ---- the run directory -------------------------------------------------------------------------
