@@ -123,6 +123,13 @@ def load_fragment(path: Path) -> _Fragment:
         raise CorruptFileError(path, f"bad content: {e!r}") from None
 
 
+_MAX_VALUE = float(np.sqrt(np.finfo(np.float32).max))  # ~1.8e19: its square is the largest float32
+
+
+class StateLostError(RuntimeError):
+    """Every snapshot and log file of a store that had commits is damaged (`StoreCore._restore`)."""
+
+
 def _registry(state: dict) -> tuple[dict[int, int], set[int]]:
     """(registry, retired) of a ``registry.json`` or snapshot meta."""
     return {int(k): int(v) for k, v in state["registry"].items()}, {int(m) for m in state["retired"]}
@@ -141,6 +148,8 @@ class StoreCore:
       mirror: the URI copy of `root`, opened here (`dloco.mirror.StaleStoreDir` if `root` is older).
       owned: the fragments this store holds (a shard's, `dloco.services.shards`); the others stay
         empty at version 0. None: all.
+      fresh_if_lost: when every snapshot and log file is damaged, start from `initial` (True) or
+        raise `StateLostError` (False: `store.fresh_if_lost`).
     """
 
     def __init__(
@@ -153,8 +162,9 @@ class StoreCore:
         lock_wait_s: float = 10.0,
         mirror: Mirror | None = None,
         owned: list[int] | None = None,
+        fresh_if_lost: bool = False,
     ) -> None:
-        self.root, self.mirror = Path(root), mirror
+        self.root, self.mirror, self.fresh_if_lost = Path(root), mirror, fresh_if_lost
         self.owned = list(range(len(initial))) if owned is None else list(owned)
         durable.mkdir(self.root)
         self._lock = durable.RunDirLock(self.root)
@@ -330,6 +340,8 @@ class StoreCore:
         """The snapshot's meta and fragments, all verified; `CorruptFileError` naming the first bad one."""
         meta = durable.read_json(snap / "meta.json")
         frs = [load_fragment(snap / f"p{p:03d}.npz") for p in range(len(self.fragments))]
+        for p, f in enumerate(frs):
+            self._check_values(snap / f"p{p:03d}.npz", p, f)
         try:
             _ = int(meta["commits"]), _registry(meta)
             differ = [int(meta["versions"][p]) for p in range(len(frs))] != [f.version for f in frs]
@@ -338,6 +350,24 @@ class StoreCore:
         if differ:
             raise CorruptFileError(snap / "meta.json", f"versions {meta['versions']} differ from its fragments'")
         return meta, frs
+
+    def _check_values(self, path: Path, p: int, f: _Fragment) -> None:
+        """`CorruptFileError` if fragment p read from `path` cannot be a state the syncer committed:
+        tensors other than the initial Θ_p's, or a value of Θ_p, its outer state or its shadow that
+        is not finite or whose square overflows float32 (|x| > ~1.8e19). A file with a valid
+        checksum may still hold such values (written by a bug, or by hand); the syncer commits only
+        finite values whose norms it computes (`dloco.defence.check_commit`), and a restored 1e30
+        made every later commit's norm infinite, so the fragment could never move again."""
+        want = {k: np.shape(v) for k, v in self.fragments[p].values.items()}
+        got = {k: np.shape(v) for k, v in f.values.items()}
+        if got != want:
+            raise CorruptFileError(path, f"implausible values: tensors {got} differ from the model's {want}")
+        arrays = [*f.values.items(), *((f"state {i}", x) for i, x in enumerate(f.outer_state))]
+        arrays += [(f"shadow {k}", x) for k, x in (f.shadow or {}).items()]
+        for name, x in arrays:
+            a = np.asarray(x)
+            if a.dtype.kind == "f" and a.size and not (np.isfinite(a).all() and np.abs(a).max() <= _MAX_VALUE):
+                raise CorruptFileError(path, f"implausible values: {name} holds non-finite or > {_MAX_VALUE:.2g}")
 
     def _restore(self) -> None:
         durable.clean_tmp(self.root, self.root / "wal")
@@ -359,6 +389,7 @@ class StoreCore:
                     f = load_fragment(path)
                     if f.version != v:
                         raise CorruptFileError(path, f"holds version {f.version}, not {v}")
+                    self._check_values(path, p, f)
                 except CorruptFileError as e:
                     self.quarantined.append(durable.quarantine(self.root, path, e.reason))
                     continue
@@ -366,6 +397,17 @@ class StoreCore:
                 self.fragments[p] = f
                 self.restored_from = self.restored_from or "log"
                 break
+        # what this start set aside, or an earlier one did (the start that refused: a second start
+        # would find the store empty and begin again silently)
+        lost = [Path(q["path"]).name for q in self.quarantined]
+        if not lost and (self.root / "quarantine").is_dir():
+            lost = sorted(n for n in os.listdir(self.root / "quarantine") if n.startswith(("snap-", "wal-")))
+        if self.restored_from is None and lost and not self.fresh_if_lost:
+            raise StateLostError(
+                f"store {self.root}: every snapshot and log file is damaged (set aside in quarantine/: "
+                f"{', '.join(lost)}); starting again from the initial model would lose every commit: "
+                "restore the files, or set store.fresh_if_lost=true to start over"
+            )
         self._restore_registry(meta)
 
     def _restore_registry(self, meta: dict | None) -> None:

@@ -480,3 +480,40 @@ def test_a_full_or_read_only_disk_fails_commits_cleanly_and_loses_nothing(tmp_pa
     assert ro["commit"] == "EROFS" and ro["register"] == "EROFS" and ro["state_ok"], ro
     assert ro["commit_after"] == "committed" and ro["incarnation_after"] == 1 and ro["restored_ok"], ro
     assert ro["leftovers"] == []
+
+
+@pytest.mark.parametrize("bad", [np.nan, 1e30, -np.inf])
+@pytest.mark.parametrize("where", ["wal", "snap_fragment"])
+def test_a_file_with_a_valid_checksum_but_implausible_values_is_quarantined(tmp_path, where, bad):
+    """A file that verifies may still hold values no commit can make (NaN, ±inf, 1e30: past
+    ~1.8e19 its square overflows float32 and every later commit's norm with it): it is set aside
+    as a damaged file is, and the newest plausible state restored."""
+    _scenario(tmp_path)
+    path = tmp_path / FILES[where]
+    z, meta = durable.read_npz(path)
+    key = next(k for k in z if k.startswith("v/"))
+    z[key] = np.full_like(z[key], bad)
+    durable.write_npz(path, z, meta)  # a valid checksum over the bad values
+    r = open_store(tmp_path)
+    assert_state(r, [3, 3] if where == "wal" else [4, 3])
+    (q,) = r.quarantined
+    assert q["reason"].startswith(("implausible values", "p001.npz: implausible values")), q
+    assert all(np.isfinite(x).all() for f in r.fragments for x in f.values.values())
+    r.close()
+
+
+def test_a_store_whose_every_file_is_damaged_refuses_to_start_over_unless_told(tmp_path):
+    """Every snapshot and log file damaged: starting again from the initial model would silently
+    lose every commit, so the store's start fails naming what it set aside; `fresh_if_lost` (the
+    user's `store.fresh_if_lost=true`) starts over instead."""
+    from dloco.store import StateLostError
+
+    _scenario(tmp_path)
+    for path in [*tmp_path.glob("snap-*/p000.npz"), *(tmp_path / "wal").iterdir()]:
+        damage(path, "bit_flip")
+    for _ in range(2):  # and again: the first start set them aside, the second must not find a new run
+        with pytest.raises(StateLostError, match=r"every snapshot and log file is damaged .*fresh_if_lost=true"):
+            open_store(tmp_path)
+    r = open_store(tmp_path, fresh_if_lost=True)  # what the first start set aside stays in quarantine/
+    assert r.versions == [0, 0] and r.restored_from is None and (tmp_path / "quarantine").is_dir()
+    r.close()

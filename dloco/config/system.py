@@ -120,6 +120,8 @@ class StoreConfig:
     `copies_mb`: the most memory the store spends on what each learner holds (the per-learner
     copies of `compression.publish: delta` with `learner.install: own`); past it, the least
     recently used are dropped and their learners sent their next version in full.
+    `fresh_if_lost`: a store that finds every snapshot and log file of its run damaged (each is set
+    aside in ``quarantine/``) ends the start with that error; true starts over from the initial model.
     `mirror`: a `pyarrow.fs` URI (``gs://bucket/run``, ``s3://bucket/run``, ``file:///mnt/shared/run``)
     that receives a copy of every commit, snapshot and registry write before the store answers, so
     that the run survives losing the head node and its disk: a store that starts with an empty
@@ -135,6 +137,7 @@ class StoreConfig:
     copies_mb: int = 2048
     mirror: str = ""
     mirror_lease_s: float = 120.0
+    fresh_if_lost: bool = False
 
     def __post_init__(self) -> None:
         _finite("store", self)
