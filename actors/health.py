@@ -72,6 +72,16 @@ def fatal(tally: Tally, cfg: RunConfig, now: float, learners_left: bool) -> str 
     return None
 
 
+def process_age() -> float:
+    """Seconds since this process started (``/proc/self/stat``'s start time, Linux): how long a
+    restarted store or syncer spent in Ray's restart and its imports before its constructor ran."""
+    with open("/proc/self/stat") as fh:
+        started_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as fh:
+        uptime = float(fh.read().split()[0])
+    return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def process_memory(pid: int | None = None) -> dict[str, int]:
     """A process's (this one's by default) pid, resident set and peak resident set in bytes, from
     ``/proc`` (Linux): what `memory()` of the store and the syncer report, for soak runs."""

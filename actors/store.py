@@ -24,7 +24,9 @@ from dloco.store import Commit, CommitResult, Registration
 
 class FragmentStore:
     def __init__(self, cfg: dict, run_dir: str, shard: int = 0) -> None:
-        self.service = StoreService(from_dict(cfg), run_dir, RayTransport(), WallClock(), shard=shard)
+        self.service = StoreService(
+            from_dict(cfg), run_dir, RayTransport(), WallClock(), shard=shard, process_s=health.process_age()
+        )
         self.long_poll_s = self.service.cfg.store.long_poll_s
         self._mail: dict[int, asyncio.Event] = {}  # learner → set (and replaced) when mail arrives
 

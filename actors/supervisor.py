@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -30,8 +31,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors import evaluator, health, isolation, shards, spares
 from actors.faults import FaultInjector
 from actors.observe import Observer
-from actors.workers import worker_env
-from dloco import build, chaos, events
+from actors.workers import CONTROL_PLANE_ENV, worker_env
+from dloco import build, chaos, durable, events
 from dloco.config import RunConfig
 from dloco.services.shards import names
 from dloco.tally import Tally, summarize
@@ -62,7 +63,10 @@ class RunHandle:
         self._done = threading.Event()
         self._stop_requested = threading.Event()
         self._metrics_path = run_dir / "metrics.jsonl"
-        self._metrics_file = open(self._metrics_path, "a")  # noqa: SIM115 - closed in stop()
+        # 0600, never through a planted link; closed in stop()
+        self._metrics_file = os.fdopen(
+            os.open(self._metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600), "a"
+        )
         self._tensorboard = TensorBoardSink(run_dir, bp.plan.count, config=self.cfg_dict)  # + W&B, MLflow if set
         self._bp, self.corpus = bp, build.corpus_identity(bp.corpus)
         self._on_driver = None if evaluator.placed(cfg) else evaluator.OnDriver(cfg, bp)
@@ -76,7 +80,7 @@ class RunHandle:
             **{"namespace": self.namespace, "max_restarts": -1, "max_task_retries": -1, "num_cpus": 0},
             # On the driver's node (the head, under a job): a restarted store finds its snapshots in its run dir.
             "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-            "runtime_env": {"env_vars": worker_env(cfg, accelerator=False)},
+            "runtime_env": {"env_vars": worker_env(cfg, accelerator=False) | CONTROL_PLANE_ENV},  # store, syncer
         }
         self.evaluator: Any = None
         begun: list = []  # the store and syncer shards (`actors.shards`), as each is created
@@ -383,7 +387,7 @@ class RunHandle:
                 auth_mode=self.auth_mode,
                 launched=self.launched,
             )
-        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2, default=str))
+        durable.replace_bytes(self.run_dir / "summary.json", json.dumps(self.summary, indent=2, default=str).encode())
         self._done.set()
 
     # ---- ending ------------------------------------------------------------------------------

@@ -23,7 +23,9 @@ class Syncer:
     def __init__(self, cfg: dict, store_name: str, namespace: str | None = None, shard: int = 0) -> None:
         """The syncer of shard `shard`; `store_name` names that shard's store actor."""
         store = StoreHandle(ray.get_actor(store_name, namespace=namespace))
-        self.service = SyncerService(from_dict(cfg), store, RayTransport(), WallClock(), shard)
+        self.service = SyncerService(
+            from_dict(cfg), store, RayTransport(), WallClock(), shard, process_s=health.process_age()
+        )
         self._wake = threading.Event()
         threading.Thread(target=self._loop, name="dloco-syncer-rounds", daemon=True).start()
 
@@ -34,7 +36,12 @@ class Syncer:
         return d
 
     def _loop(self) -> None:
-        self.service.warm()  # while learners start (seconds): their first round merges at once
+        # The merge path compiles beside the rounds, not before them: at a run's start the learners
+        # take longer to start than this (their first round then merges at once), but a restarted
+        # syncer finds pushes waiting, and warming every fragment first held its first commit back
+        # (8.5 s after it was serving, measured in `benchmarks/soak.py --quick`); a round that
+        # closes before the warm-up reached its fragment compiles what it needs itself.
+        threading.Thread(target=self.service.warm, name="dloco-syncer-warm", daemon=True).start()
         while True:
             self._wake.clear()
             wait = self.service.run_due()

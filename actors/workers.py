@@ -6,6 +6,15 @@ from pathlib import Path
 
 from dloco.config import RunConfig
 
+# The store and the syncer run at niceness 0. Ray starts every worker at niceness 15
+# (`worker_niceness`), and the per-actor variable overrides it for that actor's process (as Ray's
+# own job supervisor does). At 15 a restarted store or syncer got a 15th of the CPU share of any
+# process at 0 beside it: measured in `benchmarks/soak.py --quick` on 2 busy cores, a syncer took
+# 22–29 s and a store 24–51 s from kill to serving, and one run merged nothing in 190 s while
+# both kept restarting. The learners stay at 15: under contention the few seconds of CPU that
+# the control plane needs come first, and the learners, which never wait for it, lose little.
+CONTROL_PLANE_ENV = {"RAY_worker_niceness": "0"}
+
 
 def worker_env(cfg: RunConfig, accelerator: bool, shared_gpu: bool = False) -> dict[str, str]:
     """Environment of an actor's worker process; `accelerator` False pins JAX to the CPU.

@@ -25,6 +25,8 @@ Checked after each run (any failing check makes the script exit 1):
   highest step merged) × the learner's tokens per step: each step counted once, retrained ones
   included. (Tokens trained as the driver saw them are reported beside it, not compared: the
   driver polls learner status, so a killed incarnation's last steps may be merged but never seen.)
+- restarts: after each kill of the store or the syncer, the run commits again within 15 s (each
+  restart's time to serving and to that commit is in the table);
 - K = 1 (decoupled): uptime 1.0, the model never stalled;
 - memory: resident set of the driver, the store and the syncer after warm-up versus at the end,
   flat within 10 % (a restarted store or syncer is a new process: each is measured over its own
@@ -63,6 +65,7 @@ LEARNERS = 4
 MIN_KILLS, SYNCER_KILLS, STORE_KILLS = 20, (0.2, 0.45, 0.7), (0.3, 0.55, 0.8)  # kills at fractions of the run
 WARMUP_S = 30.0
 RSS_LIMIT = 0.10
+RESTART_LIMIT_S = 15.0  # a killed store or syncer: kill → the run's next commit
 
 
 def overrides(algorithm: str, seconds: float, seed: int, cpu_limit: float) -> list[str]:
@@ -204,6 +207,33 @@ def ledger_entries(cfg, store_dir: Path) -> dict[tuple[int, int], dict]:
         core.close()
 
 
+def restart_times(events: list[dict]) -> list[dict]:
+    """Per scheduled kill of the store or the syncer: seconds from the kill to the restarted
+    process's `store_start` / `syncer_start` (serving) and to the run's first merge after that
+    (the first commit the restarted process took part in; a merge event between the kill and the
+    restart is a commit acknowledged before the kill). None: it did not come before the run ended.
+    Times are the events' run clock."""
+    starts = {"store": "store_start", "syncer": "syncer_start"}
+    out = []
+    for f in events:
+        if f["event"] != "fault" or f.get("skipped") or f["target"] not in starts:
+            continue
+        began = [e for e in events if e["event"] == starts[f["target"]] and e["t"] > f["t"]]
+        started = [e["t"] for e in began]
+        merged = [e["t"] for e in events if e["event"] == "merge" and started and e["t"] >= min(started)]
+        out.append(
+            {
+                "target": f["target"],
+                "killed_at": round(f["t"], 1),
+                "serving_s": round(min(started) - f["t"], 1) if started else None,
+                "first_commit_s": round(min(merged) - f["t"], 1) if merged else None,
+                # the restarted process's own account: Ray's restart and imports ("process"), the model, ...
+                "startup_s": min(began, key=lambda e: e["t"]).get("startup_s") if began else None,
+            }
+        )
+    return out
+
+
 def run_one(algorithm: str, seconds: float, seed: int, cpu_limit: float, run_dir: Path) -> dict:
     import ray
 
@@ -268,6 +298,10 @@ def run_one(algorithm: str, seconds: float, seed: int, cpu_limit: float, run_dir
         "ledger consistent": ledger_ok,
         "RSS flat": all(r["max_growth"] is not None and r["max_growth"] <= RSS_LIMIT for r in rss.values()),
     }
+    restarts = restart_times(events)
+    checks[f"store and syncer restart → first commit ≤ {RESTART_LIMIT_S:g} s"] = bool(restarts) and all(
+        r["first_commit_s"] is not None and r["first_commit_s"] <= RESTART_LIMIT_S for r in restarts
+    )
     if algorithm == "decoupled":
         checks["uptime 1.0 (K = 1)"] = summary.get("uptime") == 1.0
     du = subprocess.run(["du", "-sb", str(run_dir)], capture_output=True, text=True, check=False).stdout.split()
@@ -298,6 +332,7 @@ def run_one(algorithm: str, seconds: float, seed: int, cpu_limit: float, run_dir
             "entries": {f"{m}/{p}": e for (m, p), e in entries.items()},
         },
         "copies": store.get("copies"),
+        "restart_times": restarts,
         "rss": rss,
         "memory_samples": samples,
         "checks": checks,
@@ -334,7 +369,19 @@ def table(rows: list[dict]) -> str:
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _) in enumerate(cols)]
     lines = [" | ".join(h.rjust(w) for (h, _), w in zip(cols, widths, strict=True))]
     lines += [" | ".join(c.rjust(w) for c, w in zip(cr, widths, strict=True)) for cr in cells]
+    lines += ["", "restarts (s from the kill): " + "algorithm target killed_at → serving, first commit"]
+    for r in rows:
+        for x in r["restart_times"]:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in (x.get("startup_s") or {}).items())
+            lines.append(
+                f"  {r['algorithm']:>9} {x['target']:>6} at {x['killed_at']:6.1f} → {_s(x['serving_s'])}, "
+                f"{_s(x['first_commit_s'])}   ({parts})"
+            )
     return "\n".join(lines)
+
+
+def _s(x: float | None, unit: str = " s") -> str:
+    return "never" if x is None else f"{x:.1f}{unit}"
 
 
 def report(result: dict) -> str:
@@ -396,6 +443,18 @@ def report(result: dict) -> str:
             *("| " + " | ".join(c) + " |" for c in body),
             "",
             "Every check passed." if not failed else "Failed checks: " + "; ".join(failed) + ".",
+            "",
+            "Restarts: seconds from each kill of the store or the syncer to the restarted process serving "
+            "(its `store_start` / `syncer_start`) and to the run's first commit after that.",
+            "",
+            "| algorithm | killed | at (s) | serving (s) | first commit (s) |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {r['algorithm']} | {x['target']} | {x['killed_at']:.1f} | {_s(x['serving_s'], '')} | "
+                f"{_s(x['first_commit_s'], '')} |"
+                for r in rows
+                for x in r.get("restart_times", [])
+            ),
             "",
         ]
     )

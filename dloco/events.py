@@ -45,12 +45,18 @@ class StoreStart(Event):
     versions: list[int]
     restored_from: str | None
     quarantined: list[dict] = dataclasses.field(default_factory=list)
+    # seconds: "process" (the process's start → its constructor), "model" (the initial model),
+    # "restore" (the directory read and verified); from the caller's clock
+    startup_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
 class SyncerStart(Event):
+    """The syncer (re)started; `startup_s` as `StoreStart`'s, with "state" (fetched from the store)."""
+
     EVENT = "syncer_start"
     versions: list[int]
+    startup_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -47,9 +47,14 @@ from dloco.policy import (
     check_fields,
     check_meta,
 )
+from dloco.policy.pace import PaceCheck
 from dloco.store import Commit, MergedPush
 
-__all__ = ["MergeOutcome", "SyncerCore", "rejection"]
+__all__ = ["MAX_CLOCK_SKEW_S", "MergeOutcome", "SyncerCore", "rejection"]
+
+# How far a learner's wall clock (a push's `sent_at`) may run ahead of the syncer's: NTP keeps
+# hosts within milliseconds; a minute leaves room for a host that lost its time server.
+MAX_CLOCK_SKEW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ class SyncerCore:
         self.beats = [Beat(cfg.sync.every) for _ in range(plan.count)] if cfg.sync.dynamic else None
         self.norms = [self._tracker(h) for h in norms or [[] for _ in range(plan.count)]]
         self.timings = SyncerTimings(cfg.syncer.ema_decay)
+        self.pace = PaceCheck(cfg.syncer.max_norm_ratio, cfg.sync.every)
         self.outer_step = outer.make_outer_step(outer.outer_config(cfg))
         self.dp, self.elastic = cfg.algorithm in DP_ALGORITHMS, cfg.algorithm == "elastic_dp"
         self.dropped: set[int] = set()  # elastic_dp: learners the current configuration runs without
@@ -117,28 +123,50 @@ class SyncerCore:
         self._inflight: list[set[tuple[int, int, int]]] = [set() for _ in range(plan.count)]  # taken, not acked
 
     def _tracker(self, history: Iterable[float]) -> NormTracker:
-        """The outlier check's tracker from a stored history (what is not a finite norm ≥ 0 is dropped)."""
-        kept = [float(x) for x in history if isinstance(x, int | float) and math.isfinite(x) and x >= 0]
+        """The outlier check's tracker from a stored history (what is not a finite norm > 0 is dropped:
+        a zero median would switch the check off, `dloco.policy.check_values`)."""
+        kept = [float(x) for x in history if isinstance(x, int | float) and math.isfinite(x) and x > 0]
         return NormTracker.from_state(kept, warmup=self.cfg.syncer.norm_warmup)
 
     def tokens_per_step(self, learner_id: int) -> int:
         """Tokens one inner step of the learner trains: its batch (`build.learner_batch_size`) × seq_len."""
         return build.learner_batch_size(self.cfg, learner_id) * self.cfg.data.seq_len
 
-    def push(self, meta: ContributionMeta, payload: Any, now: float) -> Decision:
-        """Validates a push's metadata and adds it to its fragment's round (`payload` is opaque)."""
+    def weight_cap(self, learner_id: int) -> float:
+        """The largest merge weight one push of the learner carries: ρ·H·(its tokens per step)², what
+        w_m = c_tok² / c_steps is for ρ·H steps of its registered batch. An honest push covers about
+        H steps (w_m = H·tps²) and is never capped; one that claims more (a learner back from an
+        outage, or one that inflates its steps within the pace the time allows) weighs at most ρ
+        honest pushes of its size, so no single learner's weight can drown the round's others."""
+        return self.cfg.syncer.max_norm_ratio * self.cfg.sync.every * float(self.tokens_per_step(learner_id)) ** 2
+
+    def push(self, meta: ContributionMeta, payload: Any, now: float, wall: float | None = None) -> Decision:
+        """Validates a push's metadata and adds it to its fragment's round (`payload` is opaque).
+
+        `wall` is the syncer's wall clock, against which a push's `sent_at` (the learner's wall
+        clock) may run ahead by at most `MAX_CLOCK_SKEW_S`; None skips that check.
+        """
         d = check_fields(meta)  # before anything compares, hashes or indexes with its fields
         if not d.accept:
             return d
         p = meta.fragment_id
         if not 0 <= p < self.plan.count:
             return Decision(False, f"unknown fragment {p}")
+        if wall is not None and meta.sent_at > wall + MAX_CLOCK_SKEW_S:
+            return Decision(
+                False, f"sent in the future: sent_at {meta.sent_at:.6g} > now {wall:.6g} + {MAX_CLOCK_SKEW_S:g} s"
+            )
         if self.registry.get(meta.learner_id) == meta.incarnation:
             self.dropped.discard(meta.learner_id)  # elastic_dp: a dropped learner is back
         d = self._check(p, meta, self.registry, in_round=True)
         if not d.accept:
             return d
         self.timings.observe_step_time(meta.learner_id, meta.step_time)
+        merged = [mp[1] for f in self.merged_steps if (mp := f.get(meta.learner_id)) is not None]
+        implausible = self.pace.check(meta, now, self.timings.step_time, max(merged, default=0))
+        if implausible is not None:
+            return Decision(False, implausible)
+        self.pace.passed(meta, now)
         if self.beats is not None and meta.cycle_time > 0:
             self.timings.observe_cycle_time(meta.learner_id, meta.cycle_time)
         note = self.rounds[p].add(meta, payload, now)
@@ -296,6 +324,7 @@ class SyncerCore:
             weights = np.asarray([m.tokens for m in metas], np.float64)
         elif self.cfg.merge.weighting == "tokens":
             weights = merge.token_weights([m.tokens for m in metas], [m.steps for m in metas])
+            weights = np.minimum(weights, [self.weight_cap(m.learner_id) for m in metas])
         else:
             weights = np.ones(len(metas))
         share = self.share(p, metas, weights, registry)  # a partial round applies its share of the weight
@@ -428,3 +457,4 @@ class SyncerCore:
         for m in list(self.timings.to_state()["step_time"]):
             if m[0] not in self.registry:
                 self.timings.forget(m[0])
+                self.pace.forget(m[0])

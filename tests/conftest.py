@@ -12,7 +12,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray listens on 127.0.0.1 only
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+from dloco import build, compress, config, defence  # noqa: E402
+from dloco.policy import ContributionMeta  # noqa: E402
+from dloco.services.store import StoreService  # noqa: E402
+from dloco.services.syncer import SyncerService  # noqa: E402
+from dloco.sim import SimTransport, VirtualClock  # noqa: E402
 
 # The `micro` preset (a 21k-parameter model on 400 kB of the stdlib corpus) compiles in about a
 # second, so that tests of runs (in-process, Ray, CLI) spend their time on the system under test.
@@ -90,3 +97,87 @@ def run_privileged_script(cmd, cwd, timeout, drop_env=("RAY_ADDRESS",)):
     if proc.returncode == 77:
         pytest.skip(out.strip().splitlines()[-1] if out.strip() else f"{cmd} skipped")
     return proc.returncode, out
+
+
+# ---- a store and a syncer driven by hand (tests/test_defence.py, tests/test_hostile.py) ----
+P = 1  # the fragment the rig's tests push to (not the embedding)
+
+
+class Rig:
+    """A store and a syncer service on a run directory; learners 0 and 1 registered; K = 1, no grace."""
+
+    def __init__(self, run_dir, tiny_run, *overrides):
+        self.cfg = config.load(
+            overrides=(
+                *tiny_run,
+                "learners.count=2",
+                "syncer.quorum=1",
+                "syncer.grace_factor=0",
+                "compression.dtype=fp32",
+                *overrides,
+            )
+        )
+        self.run_dir, self.clock, self.transport = run_dir, VirtualClock(), SimTransport(set())
+        self.plan = build.blueprint(self.cfg).plan
+        self.store = StoreService(self.cfg, run_dir, self.transport, self.clock)
+        self.inc = {m: self.store.register(m).incarnation for m in (0, 1)}
+        self.syncer = SyncerService(self.cfg, self.store, self.transport, self.clock)
+        self.steps = {0: 0, 1: 0}
+        self.rng = np.random.default_rng(0)
+
+    def restart_syncer(self):
+        self.syncer = SyncerService(self.cfg, self.store, self.transport, self.clock)
+
+    def restart_store(self):
+        self.store.close()
+        self.store = StoreService(self.cfg, self.run_dir, self.transport, self.clock)
+
+    def theta(self, p=P):
+        return {k: np.array(v) for k, v in self.store.core.fragment(p)[1].items()}
+
+    def honest(self, p=P):
+        """A per-step norm of honest size: 0.3 × one AdamW step's bound (measured: 0.25–0.5 typical)."""
+        size = self.plan.fragments[p].size
+        return 0.3 * defence.adam_step_bound(self.cfg, size, defence.norm(self.theta(p).values()))
+
+    def payload(self, norm, p=P, scale_values=None):
+        """fp32 payload of a random direction with ‖δ‖ = norm (built directly: no encode checks)."""
+        shapes = self.plan.fragments[p].shape_map
+        raw = {n: self.rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
+        k = norm / defence.norm(raw.values())
+        return {n: compress.Payload("fp32", x.shape, (x * k).astype(np.float32), None, 128) for n, x in raw.items()}
+
+    def meta(self, m, steps=8, p=P, **kw):
+        self.steps[m] += steps
+        tps = build.learner_batch_size(self.cfg, m) * self.cfg.data.seq_len
+        fields = dict(
+            learner_id=m,
+            incarnation=self.inc[m],
+            fragment_id=p,
+            base_version=self.store.core.versions[p],
+            tokens=steps * tps,
+            steps=steps,
+            step=self.steps[m],
+            step_time=1.0,
+            cursor={"epoch": 0, "index": self.steps[m]},
+        )
+        return ContributionMeta(**{**fields, **kw})
+
+    def push(self, meta, payload):
+        return self.syncer.push(meta, self.transport.put(payload))
+
+    def close(self):
+        """Closes every due round; returns the syncer's and the store's new events."""
+        self.clock.t += 1.0
+        self.syncer.run_due()
+        return self.syncer.drain_events()
+
+
+@pytest.fixture
+def rig(tmp_path, tiny_run):
+    """`rig(*overrides)` makes a Rig on tmp_path; `rig(*overrides, sub="name")` on tmp_path / name."""
+
+    def make(*overrides, sub=None):
+        return Rig(tmp_path if sub is None else tmp_path / sub, tiny_run, *overrides)
+
+    return make

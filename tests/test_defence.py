@@ -14,92 +14,11 @@ import math
 
 import numpy as np
 import pytest
+from conftest import P
 
-from dloco import build, compress, config, defence, durable
-from dloco.policy import ContributionMeta
+from dloco import config, durable
 from dloco.services.store import StoreService
-from dloco.services.syncer import SyncerService
-from dloco.sim import SimTransport, VirtualClock, run_local
-
-P = 1  # the fragment the tests push to (not the embedding)
-
-
-class Rig:
-    """A store and a syncer service on a run directory; learners 0 and 1 registered; K = 1, no grace."""
-
-    def __init__(self, run_dir, tiny_run, *overrides):
-        self.cfg = config.load(
-            overrides=(
-                *tiny_run,
-                "learners.count=2",
-                "syncer.quorum=1",
-                "syncer.grace_factor=0",
-                "compression.dtype=fp32",
-                *overrides,
-            )
-        )
-        self.run_dir, self.clock, self.transport = run_dir, VirtualClock(), SimTransport(set())
-        self.plan = build.blueprint(self.cfg).plan
-        self.store = StoreService(self.cfg, run_dir, self.transport, self.clock)
-        self.inc = {m: self.store.register(m).incarnation for m in (0, 1)}
-        self.syncer = SyncerService(self.cfg, self.store, self.transport, self.clock)
-        self.steps = {0: 0, 1: 0}
-        self.rng = np.random.default_rng(0)
-
-    def restart_syncer(self):
-        self.syncer = SyncerService(self.cfg, self.store, self.transport, self.clock)
-
-    def restart_store(self):
-        self.store.close()
-        self.store = StoreService(self.cfg, self.run_dir, self.transport, self.clock)
-
-    def theta(self, p=P):
-        return {k: np.array(v) for k, v in self.store.core.fragment(p)[1].items()}
-
-    def honest(self, p=P):
-        """A per-step norm of honest size: 0.3 × one AdamW step's bound (measured: 0.25–0.5 typical)."""
-        size = self.plan.fragments[p].size
-        return 0.3 * defence.adam_step_bound(self.cfg, size, defence.norm(self.theta(p).values()))
-
-    def payload(self, norm, p=P, scale_values=None):
-        """fp32 payload of a random direction with ‖δ‖ = norm (built directly: no encode checks)."""
-        shapes = self.plan.fragments[p].shape_map
-        raw = {n: self.rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
-        k = norm / defence.norm(raw.values())
-        return {n: compress.Payload("fp32", x.shape, (x * k).astype(np.float32), None, 128) for n, x in raw.items()}
-
-    def meta(self, m, steps=8, p=P, **kw):
-        self.steps[m] += steps
-        tps = build.learner_batch_size(self.cfg, m) * self.cfg.data.seq_len
-        fields = dict(
-            learner_id=m,
-            incarnation=self.inc[m],
-            fragment_id=p,
-            base_version=self.store.core.versions[p],
-            tokens=steps * tps,
-            steps=steps,
-            step=self.steps[m],
-            step_time=1.0,
-            cursor={"epoch": 0, "index": self.steps[m]},
-        )
-        return ContributionMeta(**{**fields, **kw})
-
-    def push(self, meta, payload):
-        return self.syncer.push(meta, self.transport.put(payload))
-
-    def close(self):
-        """Closes every due round; returns the syncer's and the store's new events."""
-        self.clock.t += 1.0
-        self.syncer.run_due()
-        return self.syncer.drain_events()
-
-
-@pytest.fixture
-def rig(tmp_path, tiny_run):
-    def make(*overrides):
-        return Rig(tmp_path, tiny_run, *overrides)
-
-    return make
+from dloco.sim import run_local
 
 
 def kinds(events, kind):
@@ -124,7 +43,10 @@ def test_a_non_finite_or_implausible_merge_is_never_committed(rig, overrides, va
     r = rig("syncer.norm_warmup=0", *overrides)  # no warm-up bound: the commit check is the last line
     before, files = r.theta(), sorted((r.run_dir / "store" / "wal").iterdir())
     norm = r.honest() * 8 if values is None else values * math.sqrt(r.plan.fragments[P].size)
-    assert r.push(r.meta(0, steps=steps), r.payload(norm)).accept  # the metadata is fine
+    # 10^9 steps at once fail the pace check at push time (`test_hostile`); a learner that sends no
+    # step time cannot be judged by pace, and then the commit check is the last line
+    unjudged = {"step_time": 0.0} if steps > 100 else {}
+    assert r.push(r.meta(0, steps=steps, **unjudged), r.payload(norm)).accept  # the metadata is fine
     events = r.close()
     refused = kinds(events, "commit_rejected")
     assert len(refused) == 1 and refused[0]["fragment"] == P and refused[0]["reason"].startswith(reason)

@@ -253,9 +253,14 @@ def check_values(
     """Checks on the decoded payload δ of a push.
 
     In order: shape mismatch (missing or extra tensor names, wrong shapes); non-finite ‖δ‖²;
-    norm outlier ``‖δ‖ > max_norm_ratio × median`` of accepted norms, once ``norms.ready()``;
-    during the warm-up (``norms.warming_up()``: fewer than ``warmup`` norms recorded, as after a
-    start with no history) ``‖δ‖ > bound`` instead, an absolute bound the caller derives without
+    a zero δ (degenerate: AdamW moves every parameter it steps at a positive learning rate, so an
+    honest push is zero only if all its steps ran at lr 0, and then has nothing to merge; merged,
+    zeros would dilute the round's weights, and recorded, 40 of them made the median 0, which
+    switches the outlier check off, after which four pushes of ~1e4× committed and ‖Θ‖ went from
+    0.35 to 9,696: measured in process); norm outlier ``‖δ‖ > max_norm_ratio × median`` of
+    accepted norms, once ``norms.ready()``; during the warm-up (``norms.warming_up()``: fewer than
+    ``warmup`` norms recorded, as after a start with no history) ``‖δ‖ > bound`` instead, an
+    absolute bound the caller derives without
     any history (`dloco.defence.contribution_bound`), so that the warm-up is not a time in which
     anything passes. ``sq_norm=None`` (not yet computed) skips the value checks; ``norms=None``
     and ``bound=None`` skip their norm check. Decision: a zero median disables the outlier
@@ -292,6 +297,8 @@ def check_values(
     if not math.isfinite(sq_norm):
         return _reject(f"non-finite: sq_norm {sq_norm}")
     norm = math.sqrt(max(sq_norm, 0.0))
+    if norm == 0.0:
+        return _reject("degenerate: ‖δ‖ = 0 (the pushed steps moved nothing)")
     if norms is not None and norms.ready():
         median = norms.median()
         if median > 0 and norm > max_norm_ratio * median:

@@ -50,13 +50,17 @@ class StoreService:
         clock: Clock,
         lock_wait_s: float = 10.0,
         shard: int = 0,
+        process_s: float | None = None,
     ) -> None:
         """Restores the store (shard `shard` of `syncer.shards`: `dloco.services.shards`) from its
         directory; `RunDirLocked` if another store has it open (after waiting `lock_wait_s` for it
         to go: a predecessor process may still be exiting), `ShardLayoutError` if the run dir's
-        store was written with another shard count."""
+        store was written with another shard count. `process_s`: how long the process ran before
+        this (the actor's), reported in ``store_start`` with the time of each step here."""
         self.cfg, self.transport, self.clock = cfg, transport, clock
+        t0 = clock.now()
         bp, n = build.blueprint(cfg), cfg.syncer.shards
+        t1 = clock.now()
         if problem := shards.layout_problem(run_dir, n):
             raise shards.ShardLayoutError(problem)
         self.owned = shards.owned(bp.plan.count, n, shard)
@@ -71,7 +75,11 @@ class StoreService:
             lock_wait_s,
             Mirror(uri, cfg.store.mirror_lease_s) if uri else None,
             self.owned,
+            cfg.store.fresh_if_lost,
         )
+        startup = {"model": t1 - t0, "restore": clock.now() - t1}
+        if process_s is not None:
+            startup = {"process": process_s, **startup}
         c = cfg.compression
         self.per_learner = cfg.learner.install == "own" and c.publish == "delta"
         self.copies = publish.Copies(c.publish_dtype, c.block, cfg.store.copies_mb << 20)
@@ -84,6 +92,7 @@ class StoreService:
             versions=self.core.versions,
             restored_from=self.core.restored_from,
             quarantined=list(self.core.quarantined),
+            startup_s={k: round(v, 3) for k, v in startup.items()},
         )
         self.events: list[dict] = [start.to_dict()]
 

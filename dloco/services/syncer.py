@@ -32,21 +32,41 @@ from dloco.syncer import SyncerCore, rejection
 
 
 class SyncerService:
-    def __init__(self, cfg: RunConfig, store: StorePeer, transport: Transport, clock: Clock, shard: int = 0) -> None:
-        """The syncer of shard `shard` (`dloco.services.shards`); `store` is that shard's store."""
+    def __init__(
+        self,
+        cfg: RunConfig,
+        store: StorePeer,
+        transport: Transport,
+        clock: Clock,
+        shard: int = 0,
+        process_s: float | None = None,
+    ) -> None:
+        """The syncer of shard `shard` (`dloco.services.shards`); `store` is that shard's store.
+        `process_s`: how long the process ran before this, reported in ``syncer_start`` with the
+        time of each step here (the model, the state fetched from the store: it waits for a store
+        that is itself restarting)."""
         self.cfg, self.store, self.transport, self.clock = cfg, store, transport, clock
         self.shard, self.shards = shard, cfg.syncer.shards
+        t0 = clock.now()
         bp = build.blueprint(cfg)
+        t1 = clock.now()
         frs, registry, shadows, merged, norms = store.syncer_state()
         self.core = SyncerCore(cfg, bp.plan, bp.embedding, frs, registry, shadows, merged, norms)
         self.lock = threading.Lock()
-        self.events: list[dict] = [events.SyncerStart(time=clock.wall(), versions=list(self.core.versions)).to_dict()]
+        startup = {"model": t1 - t0, "state": clock.now() - t1}
+        if process_s is not None:
+            startup = {"process": process_s, **startup}
+        start = events.SyncerStart(
+            time=clock.wall(), versions=list(self.core.versions), startup_s={k: round(v, 3) for k, v in startup.items()}
+        )
+        self.events: list[dict] = [start.to_dict()]
 
     def warm(self) -> None:
-        """Compiles the merge path before the first push: the wire dtype's merge kernels and each
-        fragment's outer step (run on a zero pseudo-gradient, the result dropped), so that a syncer
-        that starts or restarts merges its first round at once, not seconds late (a short run's
-        learners may reach the budget first). A failure is reported; the first merge compiles then."""
+        """Compiles the merge path: the wire dtype's merge kernels and each fragment's outer step (run
+        on a zero pseudo-gradient, the result dropped), so that a syncer that starts merges its first
+        round at once, not seconds late (a short run's learners may reach the budget first). The Ray
+        actor runs it on a thread of its own beside the rounds (`actors.syncer`): a round that closes
+        first compiles what it needs. A failure is reported; the first merge compiles then."""
         try:
             if self.cfg.compression.dtype in compress.INTEGER_DTYPES:
                 from dloco import kernels  # numba: only the processes that merge load it
@@ -73,7 +93,7 @@ class SyncerService:
             with self.lock:
                 self.core.update_registry(registry)
         with self.lock:
-            d = self.core.push(meta, ref, self.clock.now())
+            d = self.core.push(meta, ref, self.clock.now(), self.clock.wall())
             if not d.accept:
                 self.events.append(rejection(meta, d.reason, self.clock.wall()))
             p = meta.fragment_id
