@@ -6,6 +6,14 @@ cores of one test machine break that: a restart competes with every learner stil
 CPU quota per learner process (CFS bandwidth: `cores` × period per period) gives each learner a
 fixed share, as its own host would, whatever the others do.
 
+The emulated hosts yield to everything else: the parent group ``dloco`` has the least CPU weight
+(v1 ``cpu.shares`` 2, v2 ``cpu.weight`` 1), so under contention the processes outside it (the store,
+the syncer, the driver, Raylet) run first, as they would on hosts of their own. Without it the
+learners' groups took their full quotas (all of a 2-core machine) at the weight of a process of
+niceness 0, and a restarted store or syncer spent 4–15 s importing before its constructor ran
+(`benchmarks/soak.py --quick`, decoupled, whose learners never wait), against 2.3–2.8 s beside dp's
+learners, which wait for every merge.
+
 Needs write access to the cgroup ``cpu`` controller (v1 ``/sys/fs/cgroup/cpu`` or v2 with
 ``cpu.max``), which a root process in most containers has; otherwise `limit_cpu` raises with a
 clear message. A testing aid, off by default.
@@ -36,6 +44,7 @@ def limit_cpu(name: str, cores: float) -> Path:
     group = root / name
     try:
         group.mkdir(parents=True, exist_ok=True)
+        (root / ("cpu.shares" if version == 1 else "cpu.weight")).write_text("2" if version == 1 else "1")
         quota = max(1000, int(cores * _PERIOD_US))
         if version == 1:
             (group / "cpu.cfs_period_us").write_text(str(_PERIOD_US))
