@@ -30,7 +30,7 @@ _V2 = Path("/sys/fs/cgroup")
 _PERIOD_US = 100_000
 
 
-def _root() -> tuple[Path, int]:
+def cgroup_root() -> tuple[Path, int]:
     if (_V1 / "cpu.cfs_quota_us").exists():
         return _V1 / "dloco", 1
     if (_V2 / "cgroup.controllers").exists() and "cpu" in (_V2 / "cgroup.controllers").read_text().split():
@@ -40,7 +40,7 @@ def _root() -> tuple[Path, int]:
 
 def limit_cpu(name: str, cores: float) -> Path:
     """Moves this process into cgroup ``dloco/<name>`` capped at `cores` CPU cores; returns its path."""
-    root, version = _root()
+    root, version = cgroup_root()
     group = root / name
     try:
         group.mkdir(parents=True, exist_ok=True)
@@ -60,7 +60,7 @@ def limit_cpu(name: str, cores: float) -> Path:
 def release(prefix: str) -> None:
     """Removes the (empty) cgroups ``dloco/<prefix>*`` left by a finished run."""
     try:
-        root, _ = _root()
+        root, _ = cgroup_root()
     except RuntimeError:
         return
     for group in root.glob(f"{prefix}*"):

@@ -155,7 +155,7 @@ def main() -> None:
     M = args.learners
     if args.cpu_limit is None:
         try:
-            isolation_ok = bool(isolation._root())
+            isolation_ok = bool(isolation.cgroup_root())
         except RuntimeError:
             isolation_ok = False
         args.cpu_limit = round((os.cpu_count() or 1) / M, 3) if isolation_ok else 0.0

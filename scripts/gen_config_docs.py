@@ -78,10 +78,10 @@ def _comments(cls: type) -> dict[str, str]:
 
 
 def _choices(cls: type) -> dict[str, str]:
-    """Field name → its allowed values, from the ``_choice(section, self, "name", allowed)`` checks."""
+    """Field name → its allowed values, from the ``choice(section, self, "name", allowed)`` checks."""
     out, src = {}, inspect.getsource(cls)
     local = dict(re.findall(r"^\s+(\w+) = (\([^)]*\))\s*$", src, re.M))  # e.g. dtypes = ("fp32", ...)
-    for m in re.finditer(r'_choice\(\s*"\w*",\s*self,\s*"(\w+)",\s*([^\n]+?)\)\s*$', src, re.M):
+    for m in re.finditer(r'\bchoice\(\s*"\w*",\s*self,\s*"(\w+)",\s*([^\n]+?)\)\s*$', src, re.M):
         name, allowed = m.group(1), m.group(2).strip()
         allowed = local.get(allowed, allowed)
         if re.fullmatch(r"[A-Z_]+", allowed):

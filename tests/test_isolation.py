@@ -9,7 +9,7 @@ import pytest
 from actors import isolation
 
 try:
-    isolation._root()
+    isolation.cgroup_root()
     AVAILABLE = True
 except RuntimeError:
     AVAILABLE = False
@@ -34,7 +34,7 @@ def test_a_process_is_moved_into_its_capped_cgroup_and_the_cgroup_is_released(tm
     assert quota == "25000"  # 0.25 cores of a 100 ms period
     assert f"dloco/{name}" in cgroups  # the process ran inside it
     isolation.release(name)  # the process has exited: its cgroup goes
-    assert not (isolation._root()[0] / name).exists()
+    assert not (isolation.cgroup_root()[0] / name).exists()
 
 
 def test_a_negative_limit_is_a_config_error():

@@ -213,7 +213,7 @@ def test_a_push_overlapping_a_merged_push_is_rejected():
     assert out.commit is None and out.rejections[0]["reason"] == "overlap: steps 0..16 include merged step 8"
 
 
-def test_merge_weights_match_hand_computation_for_rda():
+def test_token_weights_are_tokens_squared_over_steps_as_computed_by_hand():
     w = merge.token_weights([300, 150], [10, 10])
     assert list(w / w.sum()) == pytest.approx([0.8, 0.2])
 

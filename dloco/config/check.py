@@ -13,27 +13,27 @@ class ConfigError(ValueError):
     """An invalid configuration value; the message names the field, the value and the fix."""
 
 
-def _fail(name: str, value: Any, allowed: str) -> typing.NoReturn:
+def fail(name: str, value: Any, allowed: str) -> typing.NoReturn:
     raise ConfigError(f"{name}={value!r} is invalid: {allowed}")
 
 
-def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+def require(ok: bool, name: str, value: Any, allowed: str) -> None:
     if not ok:
-        _fail(name, value, allowed)
+        fail(name, value, allowed)
 
 
-def _positive(section: str, obj: Any, *names: str) -> None:
+def positive(section: str, obj: Any, *names: str) -> None:
     for n in names:
         v = getattr(obj, n)
-        _check(v > 0, f"{section}.{n}", v, "must be > 0")
+        require(v > 0, f"{section}.{n}", v, "must be > 0")
 
 
-def _choice(section: str, obj: Any, name: str, allowed: Sequence[str]) -> None:
+def choice(section: str, obj: Any, name: str, allowed: Sequence[str]) -> None:
     v = getattr(obj, name)
-    _check(v in allowed, f"{section}.{name}", v, f"must be one of {', '.join(allowed)}")
+    require(v in allowed, f"{section}.{name}", v, f"must be one of {', '.join(allowed)}")
 
 
-def _finite(section: str, obj: Any) -> None:
+def finite(section: str, obj: Any) -> None:
     """Every float of `obj`'s fields, and of its tuples and mappings, is finite.
 
     Runs first in each section's check: ``nan`` fails every comparison (so a later range check would
@@ -50,10 +50,10 @@ def _finite(section: str, obj: Any) -> None:
             items = [(f.name, value)]
         for name, v in items:
             if isinstance(v, float) and not math.isfinite(v):
-                _fail(f"{section}.{name}" if section else name, v, "must be a finite number")
+                fail(f"{section}.{name}" if section else name, v, "must be a finite number")
 
 
-def _resource(name: str, value: float) -> None:
+def resource(name: str, value: float) -> None:
     """A Ray resource quantity: 0 (none) or at least Ray's precision of 0.0001, which Ray's
     `.options()` enforces only when the actor is created, after the run has started."""
-    _check(value == 0 or value >= 1e-4, name, value, "must be 0 or >= 0.0001 (Ray's resource precision)")
+    require(value == 0 or value >= 1e-4, name, value, "must be 0 or >= 0.0001 (Ray's resource precision)")

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from dloco.config.check import ConfigError, _check, _fail
+from dloco.config.check import ConfigError, fail, require
 from dloco.config.run import ALGORITHM_DEFAULTS, ALGORITHMS, BLOCKING_ALGORITHMS, PRESETS, RunConfig
 from dloco.config.system import LearnersConfig
 
@@ -44,31 +44,29 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
         origin = typing.get_origin(tp)
     if tp is bool:
-        _check(isinstance(value, bool), name, value, "must be true or false")
+        require(isinstance(value, bool), name, value, "must be true or false")
     elif tp is int:
         if isinstance(n := _number(value), float) and n.is_integer():
             value = int(n)
-        _check(isinstance(value, int) and not isinstance(value, bool), name, value, "must be an integer")
+        require(isinstance(value, int) and not isinstance(value, bool), name, value, "must be an integer")
     elif tp is float:
         value = _number(value)
-        _check(isinstance(value, int | float) and not isinstance(value, bool), name, value, "must be a number")
+        require(isinstance(value, int | float) and not isinstance(value, bool), name, value, "must be a number")
         value = float(value)
     elif tp is str:
-        _check(isinstance(value, str), name, value, "must be a string")
+        require(isinstance(value, str), name, value, "must be a string")
     elif origin is tuple and not dataclasses.is_dataclass(typing.get_args(tp)[0]):
-        _check(isinstance(value, list | tuple), name, value, "must be a list")
+        require(isinstance(value, list | tuple), name, value, "must be a list")
         value = tuple(_coerce(f"{name}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value))
     elif origin is tuple and dataclasses.is_dataclass(typing.get_args(tp)[0]):
-        _check(isinstance(value, list | tuple), name, value, "must be a list of mappings")
+        require(isinstance(value, list | tuple), name, value, "must be a list of mappings")
         item = typing.get_args(tp)[0]
         value = tuple(
-            _build(item, v, f"{name}[{i}].")
-            if isinstance(v, Mapping)
-            else _fail(f"{name}[{i}]", v, "must be a mapping")
+            _build(item, v, f"{name}[{i}].") if isinstance(v, Mapping) else fail(f"{name}[{i}]", v, "must be a mapping")
             for i, v in enumerate(value)
         )
     elif origin in (Mapping, dict) or tp in (Mapping, dict):
-        _check(isinstance(value, Mapping), name, value, "must be a mapping")
+        require(isinstance(value, Mapping), name, value, "must be a mapping")
         value = {str(k): _coerce(f"{name}.{k}", v, typing.get_args(tp)[1]) for k, v in value.items()}
     return value
 
@@ -80,10 +78,10 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     for key, value in values.items():
         name = f"{prefix}{key}"
         if key not in fields:
-            _fail(name, value, f"unknown key; allowed keys here: {', '.join(sorted(fields))}")
+            fail(name, value, f"unknown key; allowed keys here: {', '.join(sorted(fields))}")
         tp = hints[key]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            _check(isinstance(value, Mapping), name, value, "must be a mapping of its fields")
+            require(isinstance(value, Mapping), name, value, "must be a mapping of its fields")
             kwargs[key] = _build(tp, value, f"{name}.")
         else:
             kwargs[key] = _coerce(name, value, tp)
@@ -103,7 +101,7 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
 def _parse_override(text: str) -> dict[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        _fail("override", text, "use dotted KEY=VALUE, e.g. sync.every=48")
+        fail("override", text, "use dotted KEY=VALUE, e.g. sync.every=48")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -121,9 +119,9 @@ def _parse_override(text: str) -> dict[str, Any]:
 def from_dict(values: Mapping[str, Any]) -> RunConfig:
     """Builds a `RunConfig` from nested plain values on top of the named preset (default tiny)."""
     preset = values.get("preset", "tiny")
-    _check(preset in PRESETS, "preset", preset, f"must be one of {', '.join(PRESETS)}")
+    require(preset in PRESETS, "preset", preset, f"must be one of {', '.join(PRESETS)}")
     algorithm = values.get("algorithm", "decoupled")
-    _check(algorithm in ALGORITHMS, "algorithm", algorithm, f"must be one of {', '.join(ALGORITHMS)}")
+    require(algorithm in ALGORITHMS, "algorithm", algorithm, f"must be one of {', '.join(ALGORITHMS)}")
     merged = _merge(_merge(PRESETS[preset], ALGORITHM_DEFAULTS.get(algorithm, {})), values)
     if algorithm in BLOCKING_ALGORITHMS and "quorum" not in merged.get("syncer", {}):
         learners = _build(LearnersConfig, merged.get("learners", {}), "learners.")
@@ -153,7 +151,7 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunCo
             loaded = (json.loads(text) if kind == "JSON" else yaml.safe_load(text)) or {}
         except (yaml.YAMLError, ValueError) as e:
             raise ConfigError(f"{path}: not valid {kind} ({e})") from None
-        _check(isinstance(loaded, Mapping), str(path), type(loaded).__name__, f"must be a {kind} mapping")
+        require(isinstance(loaded, Mapping), str(path), type(loaded).__name__, f"must be a {kind} mapping")
         values = dict(loaded)
     for text in overrides:
         values = _merge(values, _parse_override(text))

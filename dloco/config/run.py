@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dloco.config.check import _check, _choice, _fail
+from dloco.config.check import choice, fail, require
 from dloco.config.system import BudgetConfig, ChaosConfig, LearnersConfig, MetricsConfig, StoreConfig
 from dloco.config.train import (
     CompressionConfig,
@@ -96,22 +96,22 @@ class RunConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
 
     def __post_init__(self) -> None:
-        _choice("", self, "preset", tuple(PRESETS))
-        _choice("", self, "algorithm", ALGORITHMS)
-        _check(0 <= self.seed < SEED_LIMIT, "seed", self.seed, f"must be in [0, {SEED_LIMIT}) (jax.random.PRNGKey)")
+        choice("", self, "preset", tuple(PRESETS))
+        choice("", self, "algorithm", ALGORITHMS)
+        require(0 <= self.seed < SEED_LIMIT, "seed", self.seed, f"must be in [0, {SEED_LIMIT}) (jax.random.PRNGKey)")
         self._check_resources_and_data()
         H, P, tau = self.sync.every, self.fragments.count, self.sync.overlap
-        _check(P <= H, "fragments.count", P, f"must be <= sync.every={H} (1 <= P <= H)")
-        _check(H % P == 0, "sync.every", H, f"must be a multiple of fragments.count={P} (H % P == 0)")
-        _check(tau < H / P, "sync.overlap", tau, f"must be < sync.every / fragments.count = {H // P} (τ < H/P)")
-        _check(self.syncer.shards <= P, "syncer.shards", self.syncer.shards, f"must be <= fragments.count={P}")
+        require(P <= H, "fragments.count", P, f"must be <= sync.every={H} (1 <= P <= H)")
+        require(H % P == 0, "sync.every", H, f"must be a multiple of fragments.count={P} (H % P == 0)")
+        require(tau < H / P, "sync.overlap", tau, f"must be < sync.every / fragments.count = {H // P} (τ < H/P)")
+        require(self.syncer.shards <= P, "syncer.shards", self.syncer.shards, f"must be <= fragments.count={P}")
         K, M = self.syncer.quorum, self.learners.count
-        _check(K <= M, "syncer.quorum", K, f"must be <= learners.count={M} (K <= M)")
-        _check(
+        require(K <= M, "syncer.quorum", K, f"must be <= learners.count={M} (K <= M)")
+        require(
             self.data.shards >= M, "learners.count", M, f"must be <= data.shards={self.data.shards} (one shard each)"
         )
         if self.outer.momentum > 0 and (self.outer.delay or M) > 1 and K < M and self.algorithm not in DP_ALGORITHMS:
-            _check(
+            require(
                 self.merge.scale_by_share,
                 "merge.scale_by_share",
                 self.merge.scale_by_share,
@@ -119,28 +119,28 @@ class RunConfig:
                 "applies its share of the period's progress; or set outer.delay=1)",
             )
         if self.sync.dynamic:
-            _check(
+            require(
                 self.algorithm == "decoupled",
                 "sync.dynamic",
                 True,
                 f"is for algorithm=decoupled only ({self.algorithm}'s learners push on a fixed schedule)",
             )
         if self.algorithm in BLOCKING_ALGORITHMS:
-            _check(K == M, "syncer.quorum", K, f"must equal learners.count={M} for algorithm={self.algorithm} (K = M)")
+            require(K == M, "syncer.quorum", K, f"must equal learners.count={M} for algorithm={self.algorithm} (K = M)")
         if self.algorithm == "diloco":
-            _check(P == 1, "fragments.count", P, "must be 1 for algorithm=diloco (use streaming for P > 1)")
+            require(P == 1, "fragments.count", P, "must be 1 for algorithm=diloco (use streaming for P > 1)")
         if self.algorithm in DP_ALGORITHMS:
             a = self.algorithm
-            _check(H == 1, "sync.every", H, f"must be 1 for algorithm={a} (a gradient exchange every step)")
-            _check(P == 1, "fragments.count", P, f"must be 1 for algorithm={a} (the whole gradient at once)")
-            _check(tau == 0, "sync.overlap", tau, f"must be 0 for algorithm={a} (lock-step)")
-            _check(
+            require(H == 1, "sync.every", H, f"must be 1 for algorithm={a} (a gradient exchange every step)")
+            require(P == 1, "fragments.count", P, f"must be 1 for algorithm={a} (the whole gradient at once)")
+            require(tau == 0, "sync.overlap", tau, f"must be 0 for algorithm={a} (lock-step)")
+            require(
                 self.learner.receive == "overwrite",
                 "learner.receive",
                 self.learner.receive,
                 f"must be overwrite for algorithm={a} (every learner installs the same update)",
             )
-            _check(
+            require(
                 self.syncer.max_staleness == 0,
                 "syncer.max_staleness",
                 self.syncer.max_staleness,
@@ -151,7 +151,7 @@ class RunConfig:
         """Combinations that the learners, the model or the chaos schedule would fail on after Ray started."""
         d, m = self.data, self.model
         if m.vocab_size and d.tokenizer == "byte" and not d.source.startswith("parquet:"):
-            _check(
+            require(
                 m.vocab_size >= BYTE_VOCAB,
                 "model.vocab_size",
                 m.vocab_size,
@@ -163,9 +163,9 @@ class RunConfig:
             batch = g.batch_size or self.inner.batch_size
             name = "inner.batch_size" if not g.batch_size else f"learners.groups[{g.name}].batch_size"
             if batch % devices:
-                _fail(name, batch, f"must be a multiple of the learner's {devices} GPUs (one slice each)")
+                fail(name, batch, f"must be a multiple of the learner's {devices} GPUs (one slice each)")
             if batch % self.inner.accum_steps:
-                _fail(
+                fail(
                     name,
                     batch,
                     f"must be a multiple of inner.accum_steps={self.inner.accum_steps} (equal micro-batches)",
@@ -175,7 +175,7 @@ class RunConfig:
         for name, mean in (("mtbf_s", c.mtbf_s), ("freeze_mtbf_s", c.freeze_mtbf_s + c.freeze_s)):
             if getattr(c, name) > 0:
                 expected = M * span / mean
-                _check(
+                require(
                     expected <= MAX_SCHEDULED_FAULTS,
                     f"chaos.{name}",
                     getattr(c, name),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from dloco.config.check import _check, _choice, _finite, _positive, _resource
+from dloco.config.check import choice, finite, positive, require, resource
 
 # Ray's own resource names, which `.options()` refuses inside `resources` (num_cpus/num_gpus set them).
 _RAY_NAMED = ("CPU", "GPU")
@@ -14,18 +14,18 @@ _RAY_NAMED = ("CPU", "GPU")
 
 def _resources(pre: str, num_cpus: float, num_gpus: float, resources: Mapping[str, float]) -> None:
     """What Ray's `.options()` would refuse when it creates a learner, after the run has started."""
-    _resource(f"{pre}.num_cpus", num_cpus)
-    _resource(f"{pre}.num_gpus", num_gpus)
-    _check(
+    resource(f"{pre}.num_cpus", num_cpus)
+    resource(f"{pre}.num_gpus", num_gpus)
+    require(
         num_gpus <= 1 or num_gpus == int(num_gpus),
         f"{pre}.num_gpus",
         num_gpus,
         "must be <= 1 (a share of one GPU) or a whole number (a learner owns whole GPUs)",
     )
     for k, v in resources.items():
-        _check(k not in _RAY_NAMED, f"{pre}.resources.{k}", v, f"use {pre}.num_cpus / num_gpus for CPU and GPU")
-        _check(v >= 0, f"{pre}.resources.{k}", v, "must be >= 0")
-        _resource(f"{pre}.resources.{k}", v)
+        require(k not in _RAY_NAMED, f"{pre}.resources.{k}", v, f"use {pre}.num_cpus / num_gpus for CPU and GPU")
+        require(v >= 0, f"{pre}.resources.{k}", v, "must be >= 0")
+        resource(f"{pre}.resources.{k}", v)
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,13 @@ class LearnerGroup:
 
     def __post_init__(self) -> None:
         pre = f"learners.groups[{self.name}]"
-        _finite(pre, self)
-        _check(self.latency_s >= 0, f"{pre}.latency_s", self.latency_s, "must be >= 0 seconds")
-        _check(self.count >= 0, f"{pre}.count", self.count, "must be >= 0")
-        _check(self.batch_size >= 0, f"{pre}.batch_size", self.batch_size, "must be >= 0 (0: inner.batch_size)")
-        _check(self.num_cpus >= 0, f"{pre}.num_cpus", self.num_cpus, "must be >= 0")
-        _check(self.num_gpus >= 0, f"{pre}.num_gpus", self.num_gpus, "must be >= 0")
-        _check(self.slowdown >= 1, f"{pre}.slowdown", self.slowdown, "must be >= 1")
+        finite(pre, self)
+        require(self.latency_s >= 0, f"{pre}.latency_s", self.latency_s, "must be >= 0 seconds")
+        require(self.count >= 0, f"{pre}.count", self.count, "must be >= 0")
+        require(self.batch_size >= 0, f"{pre}.batch_size", self.batch_size, "must be >= 0 (0: inner.batch_size)")
+        require(self.num_cpus >= 0, f"{pre}.num_cpus", self.num_cpus, "must be >= 0")
+        require(self.num_gpus >= 0, f"{pre}.num_gpus", self.num_gpus, "must be >= 0")
+        require(self.slowdown >= 1, f"{pre}.slowdown", self.slowdown, "must be >= 1")
         _resources(pre, self.num_cpus, self.num_gpus, self.resources)
 
 
@@ -84,19 +84,19 @@ class LearnersConfig:
     spares: int = 0  # warm spare learner processes (the first group's resources) that take over a dead learner's id
 
     def __post_init__(self) -> None:
-        _finite("learners", self)
-        _positive("learners", self, "xla_threads")
+        finite("learners", self)
+        positive("learners", self, "xla_threads")
         if self.groups:
             names = [g.name for g in self.groups]
-            _check(len(set(names)) == len(names), "learners.groups", names, "group names must be unique")
+            require(len(set(names)) == len(names), "learners.groups", names, "group names must be unique")
             object.__setattr__(self, "count", sum(g.count for g in self.groups))
-        _check(self.count >= 1, "learners.count", self.count, "must be >= 1")
-        _check(self.num_cpus >= 0, "learners.num_cpus", self.num_cpus, "must be >= 0")
-        _check(self.num_gpus >= 0, "learners.num_gpus", self.num_gpus, "must be >= 0")
-        _check(self.cpu_limit >= 0, "learners.cpu_limit", self.cpu_limit, "must be >= 0 cores (0: no cap)")
-        _check(self.drain_s >= 0, "learners.drain_s", self.drain_s, "must be >= 0 seconds (0: leave at once)")
-        _check(self.spares >= 0, "learners.spares", self.spares, "must be >= 0 (0: Ray restarts a dead learner)")
-        _check(self.sharding in ("replicate", "fsdp"), "learners.sharding", self.sharding, "must be replicate or fsdp")
+        require(self.count >= 1, "learners.count", self.count, "must be >= 1")
+        require(self.num_cpus >= 0, "learners.num_cpus", self.num_cpus, "must be >= 0")
+        require(self.num_gpus >= 0, "learners.num_gpus", self.num_gpus, "must be >= 0")
+        require(self.cpu_limit >= 0, "learners.cpu_limit", self.cpu_limit, "must be >= 0 cores (0: no cap)")
+        require(self.drain_s >= 0, "learners.drain_s", self.drain_s, "must be >= 0 seconds (0: leave at once)")
+        require(self.spares >= 0, "learners.spares", self.spares, "must be >= 0 (0: Ray restarts a dead learner)")
+        require(self.sharding in ("replicate", "fsdp"), "learners.sharding", self.sharding, "must be replicate or fsdp")
         _resources("learners", self.num_cpus, self.num_gpus, self.resources)
 
     def expand(self) -> list[LearnerGroup]:
@@ -140,16 +140,16 @@ class StoreConfig:
     fresh_if_lost: bool = False
 
     def __post_init__(self) -> None:
-        _finite("store", self)
-        _positive("store", self, "snapshot_every", "keep", "long_poll_s", "fail_after_s", "copies_mb", "mirror_lease_s")
+        finite("store", self)
+        positive("store", self, "snapshot_every", "keep", "long_poll_s", "fail_after_s", "copies_mb", "mirror_lease_s")
         scheme = self.mirror.partition("://")[0]
-        _check(
+        require(
             not self.mirror or ("://" in self.mirror and scheme.isidentifier() and bool(self.mirror.split("://")[1])),
             "store.mirror",
             self.mirror,
             "must be empty or a URI with a scheme and a path (gs://bucket/run, s3://bucket/run, file:///abs/dir)",
         )
-        _check(
+        require(
             self.object_store_mb >= 80, "store.object_store_mb", self.object_store_mb, "must be >= 80 (Ray's minimum)"
         )
 
@@ -167,12 +167,12 @@ class MetricsConfig:
     eval_resources: Mapping[str, float] = field(default_factory=dict)  # an evaluator actor's resources, e.g. {TPU: 4}
 
     def __post_init__(self) -> None:
-        _finite("metrics", self)
-        _positive("metrics", self, "eval_every_s", "stall_threshold_s")
-        _choice("metrics", self, "wandb_mode", ("online", "offline"))
-        _check(self.eval_num_gpus >= 0, "metrics.eval_num_gpus", self.eval_num_gpus, "must be >= 0")
+        finite("metrics", self)
+        positive("metrics", self, "eval_every_s", "stall_threshold_s")
+        choice("metrics", self, "wandb_mode", ("online", "offline"))
+        require(self.eval_num_gpus >= 0, "metrics.eval_num_gpus", self.eval_num_gpus, "must be >= 0")
         for k, v in self.eval_resources.items():
-            _resource(f"metrics.eval_resources.{k}", v)
+            resource(f"metrics.eval_resources.{k}", v)
 
 
 @dataclass(frozen=True)
@@ -206,19 +206,19 @@ class ChaosConfig:
     horizon_s: float = 3600.0  # the schedule's length
 
     def __post_init__(self) -> None:
-        _finite("chaos", self)
+        finite("chaos", self)
         # numpy's SeedSequence (every draw is seeded with (seed, ...)) refuses negative entries
-        _check(self.seed >= 0, "chaos.seed", self.seed, "must be >= 0")
+        require(self.seed >= 0, "chaos.seed", self.seed, "must be >= 0")
         for n in ("mtbf_s", "freeze_mtbf_s", "warmup_s", "jitter"):
-            _check(getattr(self, n) >= 0, f"chaos.{n}", getattr(self, n), "must be >= 0 (0: off)")
-        _positive("chaos", self, "freeze_s", "resend_s", "horizon_s")
-        _check(self.stragglers >= 0, "chaos.stragglers", self.stragglers, "must be >= 0")
-        _check(self.straggler_factor >= 1, "chaos.straggler_factor", self.straggler_factor, "must be >= 1")
-        _check(0 <= self.payload_loss < 1, "chaos.payload_loss", self.payload_loss, "must be in [0, 1)")
+            require(getattr(self, n) >= 0, f"chaos.{n}", getattr(self, n), "must be >= 0 (0: off)")
+        positive("chaos", self, "freeze_s", "resend_s", "horizon_s")
+        require(self.stragglers >= 0, "chaos.stragglers", self.stragglers, "must be >= 0")
+        require(self.straggler_factor >= 1, "chaos.straggler_factor", self.straggler_factor, "must be >= 1")
+        require(0 <= self.payload_loss < 1, "chaos.payload_loss", self.payload_loss, "must be in [0, 1)")
         for n in ("syncer_kills_s", "store_kills_s"):
             times = getattr(self, n)
             object.__setattr__(self, n, tuple(float(t) for t in times))
-            _check(all(t > 0 for t in getattr(self, n)), f"chaos.{n}", times, "times must be > 0 seconds")
+            require(all(t > 0 for t in getattr(self, n)), f"chaos.{n}", times, "times must be > 0 seconds")
 
 
 @dataclass(frozen=True)
@@ -236,11 +236,11 @@ class BudgetConfig:
     steps: int = 0
 
     def __post_init__(self) -> None:
-        _finite("budget", self)
-        _check(self.tokens >= 0, "budget.tokens", self.tokens, "must be >= 0 (0: no token budget)")
-        _check(self.seconds >= 0, "budget.seconds", self.seconds, "must be >= 0 (0: no time budget)")
-        _check(self.steps >= 0, "budget.steps", self.steps, "must be >= 0 (0: no step cap)")
-        _check(
+        finite("budget", self)
+        require(self.tokens >= 0, "budget.tokens", self.tokens, "must be >= 0 (0: no token budget)")
+        require(self.seconds >= 0, "budget.seconds", self.seconds, "must be >= 0 (0: no time budget)")
+        require(self.steps >= 0, "budget.steps", self.steps, "must be >= 0 (0: no step cap)")
+        require(
             self.tokens > 0 or self.seconds > 0 or self.steps > 0,
             "budget.tokens",
             self.tokens,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dloco.config.check import _check, _choice, _finite, _positive
+from dloco.config.check import choice, finite, positive, require
 
 # The syncer's outlier check takes the median of the last NORM_WINDOW accepted norms
 # (`dloco.policy.NormTracker`'s window, as `dloco.syncer` builds it): a longer warm-up is never reached,
@@ -45,40 +45,40 @@ class ModelConfig:
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss
 
     def __post_init__(self) -> None:
-        _finite("model", self)
-        _positive("model", self, "d_model", "n_layers", "n_heads", "mlp_ratio", "rope_base")
-        _check(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "must be >= 0 (0: from tokenizer)")
-        _check(
+        finite("model", self)
+        positive("model", self, "d_model", "n_layers", "n_heads", "mlp_ratio", "rope_base")
+        require(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "must be >= 0 (0: from tokenizer)")
+        require(
             self.d_model % self.n_heads == 0 and (self.d_model // self.n_heads) % 2 == 0,
             "model.d_model",
             self.d_model,
             f"must be a multiple of model.n_heads={self.n_heads} with an even head size (rotary)",
         )
-        _choice("model", self, "family", ("classic", "llama"))
+        choice("model", self, "family", ("classic", "llama"))
         mod, colon, fn = self.factory.partition(":")
-        _check(
+        require(
             not self.factory or bool(colon and mod and fn.isidentifier()),
             "model.factory",
             self.factory,
             "must be 'package.module:function' (a function returning a flax.linen Module)",
         )
-        _choice("model", self, "dtype", ("float32", "bfloat16"))
-        _check(self.n_experts >= 0, "model.n_experts", self.n_experts, "must be >= 0 (0: a dense MLP)")
-        _check(
+        choice("model", self, "dtype", ("float32", "bfloat16"))
+        require(self.n_experts >= 0, "model.n_experts", self.n_experts, "must be >= 0 (0: a dense MLP)")
+        require(
             not self.n_experts or 1 <= self.experts_per_token <= self.n_experts,
             "model.experts_per_token",
             self.experts_per_token,
             f"must be in [1, model.n_experts={self.n_experts}]",
         )
-        _check(self.moe_aux_weight >= 0, "model.moe_aux_weight", self.moe_aux_weight, "must be >= 0")
+        require(self.moe_aux_weight >= 0, "model.moe_aux_weight", self.moe_aux_weight, "must be >= 0")
         kv = self.n_kv_heads or self.n_heads
-        _check(
+        require(
             self.n_kv_heads >= 0 and self.n_heads % kv == 0,
             "model.n_kv_heads",
             self.n_kv_heads,
             f"must divide model.n_heads={self.n_heads} (0: n_heads)",
         )
-        _check(
+        require(
             self.family == "llama" or (kv == self.n_heads and self.tie_embeddings),
             "model.family",
             self.family,
@@ -111,24 +111,24 @@ class DataConfig:
     shards: int = 64  # disjoint data streams; learner m reads shard m, so at most this many learners
 
     def __post_init__(self) -> None:
-        _finite("data", self)
-        _check(
+        finite("data", self)
+        require(
             self.source in ("stdlib", "shakespeare") or self.source.startswith(("text:", "jsonl:", "parquet:")),
             "data.source",
             self.source,
             "must be stdlib, shakespeare, text:GLOB, jsonl:GLOB or parquet:GLOB",
         )
-        _check(bool(self.text_field.strip()), "data.text_field", self.text_field, "must name a field, e.g. text")
-        _check(
+        require(bool(self.text_field.strip()), "data.text_field", self.text_field, "must name a field, e.g. text")
+        require(
             self.tokenizer in ("byte", "bpe") or (self.tokenizer.startswith("file:") and len(self.tokenizer) > 5),
             "data.tokenizer",
             self.tokenizer,
             "must be byte, bpe (trained on the corpus) or file:PATH (a pretrained tokenizer.json)",
         )
-        _check(self.vocab_size >= 260, "data.vocab_size", self.vocab_size, "must be >= 260 (BPE over bytes)")
-        _positive("data", self, "seq_len", "eval_batches", "eval_batch_size", "shards")
-        _check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
-        _check(self.max_bytes >= 0, "data.max_bytes", self.max_bytes, "must be >= 0 (0: no limit)")
+        require(self.vocab_size >= 260, "data.vocab_size", self.vocab_size, "must be >= 260 (BPE over bytes)")
+        positive("data", self, "seq_len", "eval_batches", "eval_batch_size", "shards")
+        require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        require(self.max_bytes >= 0, "data.max_bytes", self.max_bytes, "must be >= 0 (0: no limit)")
 
 
 @dataclass(frozen=True)
@@ -152,20 +152,20 @@ class InnerConfig:
     accum_steps: int = 1  # micro-batches per step: gradients averaged, then one AdamW step (1/accum the activations)
 
     def __post_init__(self) -> None:
-        _finite("inner", self)
-        _positive("inner", self, "lr", "total_steps", "eps", "grad_clip", "batch_size", "accum_steps")
-        _check(self.warmup_steps >= 0, "inner.warmup_steps", self.warmup_steps, "must be >= 0")
-        _check(
+        finite("inner", self)
+        positive("inner", self, "lr", "total_steps", "eps", "grad_clip", "batch_size", "accum_steps")
+        require(self.warmup_steps >= 0, "inner.warmup_steps", self.warmup_steps, "must be >= 0")
+        require(
             self.warmup_steps < self.total_steps,
             "inner.warmup_steps",
             self.warmup_steps,
             f"must be < inner.total_steps={self.total_steps}",
         )
-        _check(0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
-        _check(self.weight_decay >= 0, "inner.weight_decay", self.weight_decay, "must be >= 0")
+        require(0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        require(self.weight_decay >= 0, "inner.weight_decay", self.weight_decay, "must be >= 0")
         for n in ("b1", "b2"):
             v = getattr(self, n)
-            _check(0 <= v < 1, f"inner.{n}", v, "must be in [0, 1)")
+            require(0 <= v < 1, f"inner.{n}", v, "must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -190,11 +190,11 @@ class OuterConfig:
     delay: int = 0
 
     def __post_init__(self) -> None:
-        _finite("outer", self)
-        _positive("outer", self, "lr")
-        _check(0 <= self.momentum < 1, "outer.momentum", self.momentum, "must be in [0, 1)")
-        _check(self.delay >= 0, "outer.delay", self.delay, "must be >= 0 (0: learners.count, 1: per-commit Nesterov)")
-        _check(
+        finite("outer", self)
+        positive("outer", self, "lr")
+        require(0 <= self.momentum < 1, "outer.momentum", self.momentum, "must be in [0, 1)")
+        require(self.delay >= 0, "outer.delay", self.delay, "must be >= 0 (0: learners.count, 1: per-commit Nesterov)")
+        require(
             self.nesterov or self.delay == 1 or self.momentum == 0,
             "outer.delay",
             self.delay,
@@ -209,7 +209,7 @@ class FragmentsConfig:
     count: int = 4
 
     def __post_init__(self) -> None:
-        _positive("fragments", self, "count")
+        positive("fragments", self, "count")
 
 
 @dataclass(frozen=True)
@@ -232,8 +232,8 @@ class SyncConfig:
     dynamic: bool = True
 
     def __post_init__(self) -> None:
-        _positive("sync", self, "every")
-        _check(self.overlap >= 0, "sync.overlap", self.overlap, "must be >= 0")
+        positive("sync", self, "every")
+        require(self.overlap >= 0, "sync.overlap", self.overlap, "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -258,21 +258,21 @@ class SyncerConfig:
     shard_resources: tuple[str, ...] = ()  # one Ray custom resource per shard pair (empty: the driver's node)
 
     def __post_init__(self) -> None:
-        _finite("syncer", self)
-        _positive("syncer", self, "quorum", "max_norm_ratio", "elastic_timeout_s")
-        _check(self.grace_factor >= 0, "syncer.grace_factor", self.grace_factor, "must be >= 0")
-        _check(self.max_grace_steps >= 0, "syncer.max_grace_steps", self.max_grace_steps, "must be >= 0")
-        _check(self.max_staleness >= 0, "syncer.max_staleness", self.max_staleness, "must be >= 0")
-        _check(
+        finite("syncer", self)
+        positive("syncer", self, "quorum", "max_norm_ratio", "elastic_timeout_s")
+        require(self.grace_factor >= 0, "syncer.grace_factor", self.grace_factor, "must be >= 0")
+        require(self.max_grace_steps >= 0, "syncer.max_grace_steps", self.max_grace_steps, "must be >= 0")
+        require(self.max_staleness >= 0, "syncer.max_staleness", self.max_staleness, "must be >= 0")
+        require(
             0 <= self.norm_warmup <= NORM_WINDOW,
             "syncer.norm_warmup",
             self.norm_warmup,
             f"must be in [0, {NORM_WINDOW}] (the outlier check's median is over the last {NORM_WINDOW} norms)",
         )
-        _check(0 <= self.ema_decay < 1, "syncer.ema_decay", self.ema_decay, "must be in [0, 1)")
-        _check(self.shards >= 1, "syncer.shards", self.shards, "must be >= 1 (1: one syncer and one store)")
+        require(0 <= self.ema_decay < 1, "syncer.ema_decay", self.ema_decay, "must be in [0, 1)")
+        require(self.shards >= 1, "syncer.shards", self.shards, "must be >= 1 (1: one syncer and one store)")
         n = len(self.shard_resources)
-        _check(
+        require(
             n in (0, self.shards),
             "syncer.shard_resources",
             list(self.shard_resources),
@@ -295,8 +295,8 @@ class MergeConfig:
     scale_by_share: bool = True
 
     def __post_init__(self) -> None:
-        _choice("merge", self, "rule", ("rda", "mean"))
-        _choice("merge", self, "weighting", ("tokens", "uniform"))
+        choice("merge", self, "rule", ("rda", "mean"))
+        choice("merge", self, "weighting", ("tokens", "uniform"))
 
 
 @dataclass(frozen=True)
@@ -324,12 +324,12 @@ class CompressionConfig:
 
     def __post_init__(self) -> None:
         dtypes = ("fp32", "bf16", "int8", "int4", "int2")
-        _choice("compression", self, "dtype", dtypes)
-        _choice("compression", self, "publish_dtype", dtypes)
-        _choice("compression", self, "publish", ("full", "delta"))
-        _check(self.block >= 2 and self.block % 2 == 0, "compression.block", self.block, "must be an even number >= 2")
+        choice("compression", self, "dtype", dtypes)
+        choice("compression", self, "publish_dtype", dtypes)
+        choice("compression", self, "publish", ("full", "delta"))
+        require(self.block >= 2 and self.block % 2 == 0, "compression.block", self.block, "must be an even number >= 2")
         if "int2" in (self.dtype, self.publish_dtype):
-            _check(self.block % 4 == 0, "compression.block", self.block, "must be a multiple of 4 for int2")
+            require(self.block % 4 == 0, "compression.block", self.block, "must be a multiple of 4 for int2")
 
 
 @dataclass(frozen=True)
@@ -357,7 +357,7 @@ class LearnerConfig:
     install: str = "own"
 
     def __post_init__(self) -> None:
-        _finite("learner", self)
-        _choice("learner", self, "receive", ("overwrite", "blend", "rebase"))
-        _choice("learner", self, "install", ("every", "own"))
-        _check(0 <= self.blend_alpha <= 1, "learner.blend_alpha", self.blend_alpha, "must be in [0, 1]")
+        finite("learner", self)
+        choice("learner", self, "receive", ("overwrite", "blend", "rebase"))
+        choice("learner", self, "install", ("every", "own"))
+        require(0 <= self.blend_alpha <= 1, "learner.blend_alpha", self.blend_alpha, "must be in [0, 1]")

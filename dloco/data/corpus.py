@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dloco.data.sources import read_documents
-from dloco.data.tokenizer import Tokenizer, _train_bpe
+from dloco.data.tokenizer import Tokenizer, train_bpe
 
 FORMAT_VERSION = 1
 DEFAULT_BPE_VOCAB_SIZE = 4096
@@ -276,7 +276,7 @@ def prepare_corpus(
             else:
                 assert vocab_size is not None  # set to DEFAULT_BPE_VOCAB_SIZE above
                 _report(progress, "training tokenizer", 0, 1)
-                tok = _train_bpe([t for t, v in zip(texts, is_val, strict=True) if not v], vocab_size)
+                tok = train_bpe([t for t, v in zip(texts, is_val, strict=True) if not v], vocab_size)
                 tok._backend.save(str(tmp / "tokenizer.json"))
                 _report(progress, "training tokenizer", 1, 1)
             ids = []

@@ -85,7 +85,7 @@ class Tokenizer:
         return [np.asarray(e.ids + [self.eos_id], dtype=np.int32) for e in encodings]
 
 
-def _train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
     """Trains a byte-level BPE with ``<|eos|>`` as its first (id 0) special token."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers

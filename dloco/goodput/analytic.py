@@ -23,7 +23,7 @@ PAPER_TABLE1 = {  # goodput % at per-chip MTBI = 1 year (secondary-source transc
 CALIBRATION_ROWS = ("dp", "elastic_dp")
 
 
-def _require(ok: bool, name: str, value: object, allowed: str) -> None:
+def require(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{name}={value!r} is invalid: {allowed}")
 
@@ -40,8 +40,8 @@ class Recovery:
 
     def __post_init__(self) -> None:
         for n in ("short_s", "long_s"):
-            _require(getattr(self, n) >= 0, f"recovery.{n}", getattr(self, n), "must be >= 0 seconds")
-        _require(0 <= self.long_frac <= 1, "recovery.long_frac", self.long_frac, "must be in [0, 1]")
+            require(getattr(self, n) >= 0, f"recovery.{n}", getattr(self, n), "must be >= 0 seconds")
+        require(0 <= self.long_frac <= 1, "recovery.long_frac", self.long_frac, "must be in [0, 1]")
 
     @property
     def mean(self) -> float:
@@ -91,10 +91,10 @@ class FleetParams:
     recovery: Recovery = Recovery()
 
     def __post_init__(self) -> None:
-        _require(self.mtbi_s > 0, "mtbi_s", self.mtbi_s, "must be > 0 seconds (math.inf: no interruptions)")
+        require(self.mtbi_s > 0, "mtbi_s", self.mtbi_s, "must be > 0 seconds (math.inf: no interruptions)")
         for n in ("notice_s", "restart_s", "lost_s", "rejoin_s", "sync_lost_s"):
-            _require(getattr(self, n) >= 0, n, getattr(self, n), "must be >= 0 seconds")
-        _require(self.slice_chips >= 1, "slice_chips", self.slice_chips, "must be >= 1")
+            require(getattr(self, n) >= 0, n, getattr(self, n), "must be >= 0 seconds")
+        require(self.slice_chips >= 1, "slice_chips", self.slice_chips, "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -132,11 +132,11 @@ def _binom_tail(m: int, p, k: int):
     return sum(math.comb(m, i) * p**i * (1 - p) ** (m - i) for i in range(max(k, 0), m + 1)) + 0 * p
 
 
-def _check_fleet(algorithm: str, chips: int, learners: int, quorum: int) -> None:
-    _require(algorithm in ALGORITHMS, "algorithm", algorithm, f"must be one of {', '.join(ALGORITHMS)}")
-    _require(learners >= 1, "learners", learners, "must be >= 1")
-    _require(chips >= learners, "chips", chips, f"must be >= learners ({learners})")
-    _require(1 <= quorum <= learners, "quorum", quorum, f"must be in [1, learners={learners}]")
+def check_fleet(algorithm: str, chips: int, learners: int, quorum: int) -> None:
+    require(algorithm in ALGORITHMS, "algorithm", algorithm, f"must be one of {', '.join(ALGORITHMS)}")
+    require(learners >= 1, "learners", learners, "must be >= 1")
+    require(chips >= learners, "chips", chips, f"must be >= learners ({learners})")
+    require(1 <= quorum <= learners, "quorum", quorum, f"must be in [1, learners={learners}]")
 
 
 def _closed(p: FleetParams, algorithm: str, chips, M: int, K: int):
@@ -158,7 +158,7 @@ def expected(
 ) -> Goodput:
     """The closed form for `chips` chips (decoupled: `learners` of N/M chips, quorum K); dp and
     elastic_dp are one world and ignore `learners`. Counts are expectations over `seconds`."""
-    _check_fleet(algorithm, chips, learners, quorum)
+    check_fleet(algorithm, chips, learners, quorum)
     M, K = (learners, quorum) if algorithm == "decoupled" else (1, 1)
     good, up, per = (float(v[0]) for v in _closed(p, algorithm, [chips], M, K))
     handled = M * seconds * per

@@ -9,7 +9,7 @@ import numpy as np
 
 from dloco import chaos as chaos_lib
 from dloco.config import ChaosConfig
-from dloco.goodput.analytic import FleetParams, Goodput, _check_fleet, _require
+from dloco.goodput.analytic import FleetParams, Goodput, check_fleet, require
 
 # -- interval machinery: per domain, sorted disjoint down intervals [s, e) and whether each was a kill
 
@@ -110,8 +110,8 @@ def simulate(
 ) -> Goodput:
     """Event simulation of `expected`'s model over a horizon with `events` expected interruptions
     fleet-wide; the same seed gives the same result bit for bit."""
-    _check_fleet(algorithm, chips, learners, quorum)
-    _require(events >= 1, "events", events, "must be >= 1")
+    check_fleet(algorithm, chips, learners, quorum)
+    require(events >= 1, "events", events, "must be >= 1")
     M, K = (learners, quorum) if algorithm == "decoupled" else (1, 1)
     rate = chips / M / p.mtbi_s
     if rate == 0:
@@ -149,11 +149,11 @@ def simulate_schedule(
     dp stops while any learner is down (its kills discard `lost_s` of world work), elastic_dp
     pauses everyone `pause_s` at each drop and `rejoin_s` at each return, decoupled loses `lost_s`
     of the killed learner's unmerged work and stalls below `quorum` learners."""
-    _check_fleet(algorithm, learners, learners, quorum)
+    check_fleet(algorithm, learners, learners, quorum)
     for n, v in (("duration_s", duration_s), ("recovery_s", recovery_s)):
-        _require(v > 0, n, v, "must be > 0 seconds")
+        require(v > 0, n, v, "must be > 0 seconds")
     for n, v in (("pause_s", pause_s), ("rejoin_s", rejoin_s), ("lost_s", lost_s)):
-        _require(v >= 0, n, v, "must be >= 0 seconds")
+        require(v >= 0, n, v, "must be >= 0 seconds")
     per: list[list] = [[] for _ in range(learners)]
     for f in faults:
         if f.target.startswith("learner-") and int(f.target[8:]) < learners and f.at < duration_s:
