@@ -860,6 +860,14 @@ def main(argv: list[str] | None = None) -> int:
         lines += [soak_mod.report(soak), ""]
     else:
         lines += ["## Chaos soak", "", "Not run: `python benchmarks/soak.py`.", ""]
+    # the idle runs in order, then the one beside a CPU hog
+    quick = {
+        p.stem: load(p) for p in sorted((res / "soak-quick").glob("*.json"), key=lambda p: (p.stem == "hog", p.stem))
+    }
+    if quick:
+        import soak as soak_mod
+
+        lines += [soak_mod.report_quick({k: v for k, v in quick.items() if v}), ""]
     lo, gp = load(res / "learner_overhead.json"), load(res / "goodput.json")
     lines += (
         overhead_section(lo)

@@ -33,7 +33,8 @@ Checked after each run (any failing check makes the script exit 1):
   life, and the table shows the longest-lived one).
 
 Usage:  python benchmarks/soak.py [--minutes 30] [--quick] [--algorithms decoupled,dp] [--out PATH]
-Writes  benchmarks/results/soak.json (with --quick: soak-quick.json); run dirs in a temp dir.
+Writes  benchmarks/results/soak.json (with --quick: soak-quick.json); run dirs in a temp dir. The quick
+        runs RESULTS.md shows are benchmarks/results/soak-quick/NAME.json (written with --out).
 """
 
 from __future__ import annotations
@@ -444,17 +445,55 @@ def report(result: dict) -> str:
             "",
             "Every check passed." if not failed else "Failed checks: " + "; ".join(failed) + ".",
             "",
-            "Restarts: seconds from each kill of the store or the syncer to the restarted process serving "
-            "(its `store_start` / `syncer_start`) and to the run's first commit after that.",
+            *(restarts_table(rows) if any(r.get("restart_times") for r in rows) else []),
+        ]
+    )
+
+
+def restarts_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: each restart of a soak's rows (a soak from before they were recorded has none)."""
+    return [
+        "Restarts: seconds from each kill of the store or the syncer to the restarted process serving "
+        "(its `store_start` / `syncer_start`) and to the run's first commit after that.",
+        "",
+        "| algorithm | killed | at (s) | serving (s) | first commit (s) |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {r['algorithm']} | {x['target']} | {x['killed_at']:.1f} | {_s(x['serving_s'], '')} | "
+            f"{_s(x['first_commit_s'], '')} |"
+            for r in rows
+            for x in r.get("restart_times", [])
+        ),
+        "",
+    ]
+
+
+def report_quick(runs: dict[str, dict]) -> str:
+    """A Markdown section of `--quick` soaks run one after another (name → its JSON, as in
+    benchmarks/results/soak-quick/): per run and algorithm, the checks and the slowest restart."""
+    rows = []
+    for name, result in runs.items():
+        for r in result["rows"]:
+            times = r.get("restart_times") or []
+            slowest = max((x["first_commit_s"] for x in times if x["first_commit_s"] is not None), default=None)
+            never = sum(x["first_commit_s"] is None for x in times)
+            failed = [k for k, ok in r["checks"].items() if not ok]
+            rows.append(
+                f"| {name} | {r['algorithm']} | {len(times)} | {_s(slowest, '')}{f' ({never} never)' if never else ''} "
+                f"| {r['uptime']:.3f} | {r['merges']} | {'pass' if not failed else 'FAIL: ' + ', '.join(failed)} |"
+            )
+    return "\n".join(
+        [
+            "## Chaos soak, quick runs from a fresh clone (`benchmarks/soak.py --quick`)",
             "",
-            "| algorithm | killed | at (s) | serving (s) | first commit (s) |",
-            "|---|---|---|---|---|",
-            *(
-                f"| {r['algorithm']} | {x['target']} | {x['killed_at']:.1f} | {_s(x['serving_s'], '')} | "
-                f"{_s(x['first_commit_s'], '')} |"
-                for r in rows
-                for x in r.get("restart_times", [])
-            ),
+            "Each run: `git clone`, `pip install -e .[test]`, then `python benchmarks/soak.py --quick` (2.5 min "
+            f"per algorithm, {LEARNERS} learners, 3 store and 3 syncer kills, learner kills, lost pushes); `hog` ran "
+            "beside one `nice -n 10` busy loop. Restarts: kill of the store or the syncer → the run's first commit "
+            f"after the restarted process serves (the check: ≤ {RESTART_LIMIT_S:g} s each).",
+            "",
+            "| run | algorithm | restarts | slowest restart → first commit (s) | uptime | merges | checks |",
+            "|---|---|---|---|---|---|---|",
+            *rows,
             "",
         ]
     )
@@ -474,7 +513,7 @@ def main() -> int:
     from actors import isolation
 
     try:
-        capped = bool(isolation._root())
+        capped = bool(isolation.cgroup_root())
     except RuntimeError:
         capped = False
     cpu_limit = round((os.cpu_count() or 1) / LEARNERS, 3) if capped else 0.0

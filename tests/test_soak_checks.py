@@ -55,3 +55,28 @@ def test_disk_check_finds_damaged_and_non_finite_files(tmp_path):
     bad.write_bytes(bad.read_bytes()[:-3])
     r = soak.disk_check(store)
     assert r["files"] == 3 and r["nonfinite"] == ["wal/p000-v00000002.npz"] and len(r["corrupt"]) == 1
+
+
+def test_restart_times_count_from_the_kill_to_the_first_commit_after_the_restart():
+    """A merge between the kill and the restart is a commit acknowledged before the kill: the first
+    commit of a restart is the first merge after its process serves; a kill never followed by a
+    restart (or a commit) reads None, which fails the soak's restart check."""
+    events = [
+        {"event": "fault", "target": "syncer", "kind": "kill", "t": 10.0},
+        {"event": "merge", "t": 10.5},
+        {"event": "syncer_start", "t": 14.0, "startup_s": {"process": 3.0, "model": 0.5, "state": 0.5}},
+        {"event": "merge", "t": 16.0},
+        {"event": "fault", "target": "learner-0", "kind": "kill", "t": 17.0},
+        {"event": "fault", "target": "store", "kind": "kill", "t": 20.0, "skipped": "down already"},
+        {"event": "fault", "target": "store", "kind": "kill", "t": 30.0},
+    ]
+    assert soak.restart_times(events) == [
+        {
+            "target": "syncer",
+            "killed_at": 10.0,
+            "serving_s": 4.0,
+            "first_commit_s": 6.0,
+            "startup_s": {"process": 3.0, "model": 0.5, "state": 0.5},
+        },
+        {"target": "store", "killed_at": 30.0, "serving_s": None, "first_commit_s": None, "startup_s": None},
+    ]
