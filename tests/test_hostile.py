@@ -176,12 +176,12 @@ def test_hostile_pushes_through_ray_are_rejected_and_the_run_merges_on(ray_clust
             return ContributionMeta(**{**fields, "step_time": 0.01, **kw})
 
         hostile = [
-            (meta(steps=big, step=big, tokens=big * 128), "implausible pace"),
+            (meta(steps=big, step=2 * big, tokens=big * 128), "implausible pace"),  # (starting at step 0: overlap)
             (meta(sent_at=time.time() + 1e9), "sent in the future"),
         ]
         for m, _ in hostile:
             ray.get(h.syncer.push.remote(m, [ray.put(zeros)]))
-        ours = {(0, big), (0, 1)}  # (learner, step) of the hostile pushes (honest ones may be rejected too: overlap)
+        ours = {(0, 2 * big), (0, 1)}  # (learner, step) of the hostile pushes (honest ones may be rejected: overlap)
         reasons = wait_for(
             lambda: (
                 r
