@@ -255,9 +255,9 @@ def check_values(
     In order: shape mismatch (missing or extra tensor names, wrong shapes); non-finite ‖δ‖²;
     a zero δ (degenerate: AdamW moves every parameter it steps at a positive learning rate, so an
     honest push is zero only if all its steps ran at lr 0, and then has nothing to merge; merged,
-    zeros would dilute the round's weights, and recorded, 40 of them made the median 0, which
-    switches the outlier check off, after which four pushes of ~1e4× committed and ‖Θ‖ went from
-    0.35 to 9,696: measured in process); norm outlier ``‖δ‖ > max_norm_ratio × median`` of
+    zeros would dilute the round's weights, and recorded, enough of them make the median 0, which
+    switches the outlier check off: the audit of #34 reports four pushes of ~1e4× committed after
+    40 zeros, ‖Θ‖ from 0.35 to 9,696); norm outlier ``‖δ‖ > max_norm_ratio × median`` of
     accepted norms, once ``norms.ready()``; during the warm-up (``norms.warming_up()``: fewer than
     ``warmup`` norms recorded, as after a start with no history) ``‖δ‖ > bound`` instead, an
     absolute bound the caller derives without

@@ -3,10 +3,14 @@
 A push claims steps: its step counter t and the c_steps it covers set its merge weight
 (w_m = c_tok² / c_steps, c_tok ≤ c_steps × its batch), its per-step norm ‖δ‖ / c_steps (what the
 outlier check compares) and, once merged, the ledger's resume point and the replay fence. None of
-it was checked against time: measured in process, a push claiming ``step = steps = 10**12`` had a
-per-step norm so small that it passed the outlier check with a huge ‖δ‖ and a dominant weight
-(eight commits took ‖Θ‖ from 0.34 to 1e5), and ``tokens = 2**62, steps = 2**51`` wrote 4.6e18
-tokens into the ledger. A learner cannot have trained faster than the machine lets it, so:
+it was checked against time. Measured with `tests/test_hostile.py`'s attacks on the checks from
+before (`micro`, 14 rounds beside one honest learner): ``tokens = 2**62`` over the steps that make
+them plausible per step was merged, wrote 4.6e18 tokens and step 3.6e16 into the ledger and held
+the honest learner's share down (‖Θ_p‖ 19.67 against 19.79 without it); ``step = steps = 10**12``
+with a δ of 1e11× an honest one had an honest per-step norm and passed every check at push and
+close, so that only the commit check refused it, and with it each round's honest push (‖Θ_p‖
+stayed at its start, 19.58). The audit of #34 reports the same push taking ‖Θ‖ from 0.34 to 1e5
+in eight commits where the commit check let it by. A learner cannot have trained faster than the machine lets it, so:
 
 ``t − t₀ ≤ ρ·((now − s₀) / ξ_step + H)``  and  ``(t − t₀)·max(step_time, cycle_time) ≤ ρ·(now − s₀ + H·ξ_step)``
 
