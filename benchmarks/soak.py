@@ -184,7 +184,7 @@ def disk_check(store_dir: Path) -> dict:
     for path in sorted(store_dir.glob("wal/*.npz")) + sorted(store_dir.glob("snap-*/*.npz")):
         files += 1
         try:
-            arrays, _ = durable.read_npz(path)
+            arrays, _ = durable.read_arrays(path)
         except durable.CorruptFileError as e:
             bad.append(f"{path.name}: {e}")
             continue

@@ -115,7 +115,7 @@ def cell(role: str, n: int, m: int, repeat: int) -> dict:
             path = Path(d) / "p000-v00000001.npz"
             wal, disk = [], []
             for _ in range(repeat):  # in turns: the disk here is noisy from second to second
-                wal.append(best(lambda: durable.write_npz(path, arrays, {"version": 1}), 1))
+                wal.append(best(lambda: durable.write_arrays(path, arrays, {"version": 1}), 1))
                 disk.append(best(lambda: raw_write(Path(d) / "raw", path.stat().st_size), 1))
             out["wal_s"], out["disk_s"], out["wal_bytes"] = min(wal), min(disk), path.stat().st_size
         out["peak_rss"] = peak_rss()

@@ -1,6 +1,6 @@
 """File primitives for state that must survive crashes, power loss and damaged disks (`dloco.store`).
 
-- `write`: a file is written as a 32-byte header (magic, payload length, blake2b-128 of the payload)
+- `write`: a file is written as a 32-byte header (magic, payload length, XXH3-128 of the payload)
   plus the payload, to a temporary ``.tmp-*`` name in the same directory, fsynced, renamed over the
   final name, and the directory is fsynced too (without that a power loss may forget the rename).
   On any error the temporary file is removed and the error propagates: the old file is untouched.
@@ -8,6 +8,10 @@
   `CorruptFileError` (one exception type for every kind of damage, with the reason). A file without the
   magic (written before checksums existed) is returned as is only when the caller accepts legacy
   files; the caller's parser then decides (a zip's CRC-32 still guards an ``.npz``).
+- `write_arrays` / `read_arrays`: named numpy arrays and a JSON meta in one such file, written in
+  one streaming pass (each array's memory hashed and written as it is, never copied into a payload)
+  and read back as views of one buffer. Files from before (``DLOCOv1``: blake2b-128 over an ``.npz``)
+  and from before checksums (a bare ``.npz``) are still read.
 - `quarantine`: moves a damaged file or snapshot directory into ``root/quarantine/`` (never deletes
   it, so a person can inspect it) and returns a record of what moved where and why.
 - `RunDirLock`: one process per directory (``fcntl.flock`` on a lock file holding the holder's pid
@@ -27,6 +31,7 @@ import fcntl
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -36,12 +41,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
+import xxhash
 
-MAGIC = b"DLOCOv1\n"
-_HEADER = struct.Struct("<8sQ16s")  # magic, payload length, blake2b-128 digest of the payload
+MAGIC = b"DLOCOv2\n"  # XXH3-128 digests (11 GB/s on one core here, against blake2b's 0.65)
+MAGIC_V1 = b"DLOCOv1\n"  # blake2b-128 digests: read, no longer written
+_HEADER = struct.Struct("<8sQ16s")  # magic, payload length, digest of the payload
+_INDEX = struct.Struct("<Q")  # `write_arrays`: the length of its JSON index
+_ALIGN = 64  # `write_arrays`: each array starts at a multiple of this in the payload
 
 
 class CorruptFileError(Exception):
@@ -56,8 +65,15 @@ class RunDirLocked(RuntimeError):  # noqa: N818  (the name callers catch it by)
     """Another store (process or object) holds the directory's lock."""
 
 
-def _digest(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=16).digest()
+def _hasher(magic: bytes) -> Any:
+    """A fresh hash object of the digest that files starting with `magic` carry."""
+    return hashlib.blake2b(digest_size=16) if magic == MAGIC_V1 else xxhash.xxh3_128()
+
+
+def _digest(payload: bytes | memoryview, magic: bytes = MAGIC) -> bytes:
+    h = _hasher(magic)
+    h.update(payload)
+    return h.digest()
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -118,19 +134,24 @@ def read(path: str | os.PathLike, legacy: bool = False) -> bytes:
         raise CorruptFileError(path, "a directory, not a file") from None
     if not data:
         raise CorruptFileError(path, "empty (zero length)")
-    if not data.startswith(MAGIC):
+    if not data.startswith((MAGIC, MAGIC_V1)):
         if legacy and len(data) >= len(MAGIC):
             return data
         raise CorruptFileError(path, f"no checksum header ({len(data)} bytes)")
+    return bytes(_verified(path, memoryview(data)))
+
+
+def _verified(path: str | os.PathLike, data: memoryview) -> memoryview:
+    """The payload of a file's bytes `data` that start with a magic, checked against its header."""
     if len(data) < _HEADER.size:
         raise CorruptFileError(path, f"truncated header ({len(data)} bytes)")
-    _, length, digest = _HEADER.unpack_from(data)
-    payload = memoryview(data)[_HEADER.size :]
+    magic, length, digest = _HEADER.unpack_from(data)
+    payload = data[_HEADER.size :]
     if len(payload) != length:
         raise CorruptFileError(path, f"length {len(payload)} bytes, header says {length} (truncated or extended)")
-    if _digest(payload) != digest:
+    if _digest(payload, magic) != digest:
         raise CorruptFileError(path, "checksum mismatch (bit flip)")
-    return bytes(payload)
+    return payload
 
 
 def write_dir(final: str | os.PathLike, fill: Callable[[Path], None]) -> None:
@@ -164,11 +185,39 @@ def read_json(path: str | os.PathLike) -> dict:
     return obj
 
 
-def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict) -> None:
-    """`write` of an ``.npz`` holding `arrays` and `meta` (as JSON, in the array ``meta``), streamed
-    into the file: no in-memory copy of the payload (the store's log files are fragment-sized)."""
-    arrays = {**arrays, "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
-    write_stream(path, lambda fh: np.savez(fh, **arrays))  # type: ignore[arg-type]  # numpy's stub: allow_pickle
+def write_arrays(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    """`write` of the named `arrays` and the JSON object `meta`, streamed: each array's memory is
+    hashed and written as it is, in one pass (no payload is assembled, no array copied unless it is
+    not contiguous). The payload: the length of a JSON index (u64), the index (``meta`` and, per
+    array, name, dtype, shape, offset, bytes), zeros to a multiple of 64 bytes, then the arrays'
+    bytes, each padded to a multiple of 64 (the offsets count from the first array)."""
+    parts, entries, offset = [], [], 0
+    for name, x in arrays.items():
+        a = np.asarray(x)
+        a = a if a.flags.c_contiguous else a.copy(order="C")  # (ascontiguousarray makes a 0-d array 1-d)
+        if a.dtype.hasobject:
+            raise ValueError(f"{name}: an array of Python objects cannot be written ({a.dtype})")
+        parts.append(a)
+        entries.append([name, a.dtype.name if a.dtype.kind == "V" else a.dtype.str, list(a.shape), offset, a.nbytes])
+        offset += -(-a.nbytes // _ALIGN) * _ALIGN
+    index = json.dumps({"meta": meta, "arrays": entries}).encode()
+    head = _INDEX.pack(len(index)) + index
+    head += bytes(-len(head) % _ALIGN)  # the arrays' offsets count from here
+
+    def fill(fh: BinaryIO) -> None:
+        h, length = _hasher(MAGIC), 0
+        fh.write(bytes(_HEADER.size))
+        pieces: list[bytes | memoryview] = [head]
+        for a in parts:  # its bytes as they lie in memory, then zeros to the next multiple of 64
+            pieces += [a.reshape(-1).view(np.uint8).data, bytes(-a.nbytes % _ALIGN)]
+        for piece in pieces:
+            h.update(piece)
+            fh.write(piece)
+            length += len(piece)
+        fh.seek(0)
+        fh.write(_HEADER.pack(MAGIC, length, h.digest()))
+
+    _replace(path, fill)
 
 
 def write_stream(path: str | os.PathLike, fill: Callable[[BinaryIO], None]) -> None:
@@ -181,7 +230,7 @@ def write_stream(path: str | os.PathLike, fill: Callable[[BinaryIO], None]) -> N
         fill(fh)
         length = fh.seek(0, os.SEEK_END) - _HEADER.size
         fh.seek(_HEADER.size)
-        h = hashlib.blake2b(digest_size=16)
+        h = _hasher(MAGIC)
         while chunk := fh.read(1 << 22):
             h.update(chunk)
         fh.seek(0)
@@ -190,9 +239,46 @@ def write_stream(path: str | os.PathLike, fill: Callable[[BinaryIO], None]) -> N
     _replace(path, framed)
 
 
-def read_npz(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
-    """The arrays and meta of a `write_npz` file, verified (legacy files: the zip's CRC-32 only)."""
-    data = read(path, legacy=True)
+def read_arrays(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
+    """The arrays and meta of a `write_arrays` file, verified: the file is read into one buffer and
+    the arrays are views of it. Also reads the ``.npz`` files written before (``DLOCOv1``: blake2b;
+    without a header: the zip's CRC-32 only). `CorruptFileError` on any damage."""
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            buf = bytearray(size)
+            got = fh.readinto(buf)
+    except FileNotFoundError:
+        raise CorruptFileError(path, "missing") from None
+    except IsADirectoryError:
+        raise CorruptFileError(path, "a directory, not a file") from None
+    data = memoryview(buf)[:got]
+    if not data:
+        raise CorruptFileError(path, "empty (zero length)")
+    magic = bytes(data[: len(MAGIC)])
+    if magic != MAGIC:  # an .npz of before: checksummed (v1) or bare
+        return _read_npz(path, bytes(_verified(path, data) if magic == MAGIC_V1 else data))
+    payload = _verified(path, data)
+    try:
+        (n,) = _INDEX.unpack_from(payload)
+        index = json.loads(bytes(payload[_INDEX.size : _INDEX.size + n]))
+        start = -(-(_INDEX.size + n) // _ALIGN) * _ALIGN
+        arrays = {
+            name: np.frombuffer(payload, np.dtype(dtype), math.prod(shape), start + offset).reshape(shape)
+            for name, dtype, shape, offset, _ in index["arrays"]
+        }
+        meta = index["meta"]
+    except Exception as e:  # a file that verifies but was written wrong: any parser's error
+        raise CorruptFileError(path, f"unreadable: {type(e).__name__}: {e}") from None
+    if not isinstance(meta, dict):
+        raise CorruptFileError(path, "meta is not a JSON object")
+    return arrays, meta
+
+
+def _read_npz(path: str | os.PathLike, data: bytes) -> tuple[dict[str, np.ndarray], dict]:
+    """The arrays and meta of an ``.npz`` payload written before `write_arrays` (meta in ``meta``)."""
+    if not data.startswith(b"PK"):
+        raise CorruptFileError(path, f"no checksum header ({len(data)} bytes)")
     try:
         with np.load(io.BytesIO(data)) as z:
             arrays = {k: z[k] for k in z.files}

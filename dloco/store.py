@@ -19,8 +19,9 @@ a start with an empty `root` first pulls the URI's copy (the head node and its d
 Versions are the integers in the names (``:08d`` is a minimum width). A start restores the newest
 snapshot that verifies completely, else an older one, then per fragment the newest log file that
 verifies, if newer: committed data intact anywhere is kept. A damaged ``registry.json`` is rebuilt
-from the snapshot's and the ledgers' incarnations. Files from before checksums (no header) are read
-unverified (but for an ``.npz``'s zip CRC-32).
+from the snapshot's and the ledgers' incarnations. Fragment files are `durable.write_arrays` files
+(the ``.npz`` in their names is historical: runs before it wrote zip files there, which are still
+read, verified by their blake2b header, or by the zip's CRC-32 alone if they predate checksums).
 
 A commit is compare-and-set on v_p: it applies only to the version it was computed from. A retry
 of the commit that produced the current version (same `commit_id`) is acknowledged again, so a
@@ -106,12 +107,12 @@ def _save_fragment(path: Path, f: _Fragment) -> None:
     arrays.update({f"s/{i}": s for i, s in enumerate(f.outer_state)})
     arrays.update({f"h/{k}": v for k, v in (f.shadow or {}).items()})
     meta = {"version": f.version, "commit_id": f.commit_id, "ledger": {str(k): v for k, v in f.ledger.items()}}
-    durable.write_npz(path, arrays, {**meta, "norms": f.norms})
+    durable.write_arrays(path, arrays, {**meta, "norms": f.norms})
 
 
 def load_fragment(path: Path) -> _Fragment:
     """The fragment in `path`, verified; `CorruptFileError` if it is missing, damaged or unreadable."""
-    z, meta = durable.read_npz(path)
+    z, meta = durable.read_arrays(path)
     try:
         state = [z[f"s/{i}"] for i in range(sum(k.startswith("s/") for k in z))]
         shadow = {k[2:]: x for k, x in z.items() if k.startswith("h/")} or None

@@ -127,9 +127,9 @@ def test_a_run_dir_from_before_the_norm_history_reads_as_empty(rig):
     assert kinds(r.close(), "merge")
     r.store.close()
     (path,) = (r.run_dir / "store" / "wal").glob(f"p{P:03d}-v*.npz")
-    arrays, meta = durable.read_npz(path)
+    arrays, meta = durable.read_arrays(path)
     del meta["norms"]  # the form written before the history was kept
-    durable.write_npz(path, dict(arrays), meta)
+    durable.write_arrays(path, dict(arrays), meta)
     r.store = StoreService(r.cfg, r.run_dir, r.transport, r.clock)
     assert r.store.core.fragments[P].norms == [] and r.store.core.versions[P] == 1
     r.restart_syncer()

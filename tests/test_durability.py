@@ -12,6 +12,8 @@ After pruning the log holds p0 v3, v4 and p1 v2, v3. Registry: learner 0 incarna
 (after snap-3), 2 → 2 (after snap-6, its push merged in commit 7), 3 retired.
 """
 
+import hashlib
+import io
 import json
 import os
 import shutil
@@ -273,14 +275,64 @@ def test_leftover_temporary_files_are_removed_and_legacy_files_read(tmp_path):
     (tmp_path / "wal" / ".tmp-y").write_bytes(b"partial")
     (tmp_path / "tmp-snap").mkdir()
     # files from before checksums: a plain .npz log file and a plain JSON registry
-    payload = durable.read(tmp_path / "wal" / "p001-v00000001.npz")
-    (tmp_path / "wal" / "p001-v00000001.npz").write_bytes(payload)
+    arrays, meta = durable.read_arrays(tmp_path / "wal" / "p001-v00000001.npz")
+    (tmp_path / "wal" / "p001-v00000001.npz").write_bytes(legacy_npz(arrays, meta))
     (tmp_path / "registry.json").write_text(json.dumps({"registry": {"0": 4}, "retired": []}))
     r = open_store(tmp_path, snapshot_every=100)
     assert sorted(p.name for p in tmp_path.rglob("*tmp-*")) == [] and r.quarantined == []
     assert r.versions == [0, 1] and r.registry == {0: 4}
     np.testing.assert_array_equal(r.fragment(1)[1]["b"], np.full(3, 5.0))
     r.close()
+
+
+def legacy_npz(arrays: dict, meta: dict) -> bytes:
+    """A log file's payload as it was written before `durable.write_arrays`: an ``.npz``, meta in ``meta``."""
+    buf = io.BytesIO()
+    np.savez(buf, **arrays, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+    return buf.getvalue()
+
+
+def test_log_files_of_the_blake2b_format_are_read_and_verified(tmp_path):
+    s = open_store(tmp_path, snapshot_every=100)
+    s.register(0)
+    commit(s, 1, 5.0)
+    commit(s, 1, 6.0)
+    s.close()
+    for v in (1, 2):  # as DLOCOv1 wrote them: the .npz behind a blake2b-128 header
+        path = tmp_path / "wal" / f"p001-v{v:08d}.npz"
+        payload = legacy_npz(*durable.read_arrays(path))
+        digest = hashlib.blake2b(payload, digest_size=16).digest()
+        path.write_bytes(b"DLOCOv1\n" + len(payload).to_bytes(8, "little") + digest + payload)
+    flipped = bytearray((tmp_path / "wal" / "p001-v00000002.npz").read_bytes())
+    flipped[-40] ^= 1
+    (tmp_path / "wal" / "p001-v00000002.npz").write_bytes(flipped)
+    r = open_store(tmp_path, snapshot_every=100)
+    assert r.versions == [0, 1], "the flipped v1 file is refused, the intact one restored"
+    assert [(Path(q["path"]).name, q["reason"]) for q in r.quarantined] == [
+        ("p001-v00000002.npz", "checksum mismatch (bit flip)")
+    ]
+    np.testing.assert_array_equal(r.fragment(1)[1]["b"], np.full(3, 5.0))
+    r.close()
+
+
+def test_array_files_round_trip_views_of_one_buffer(tmp_path):
+    arrays = {
+        "f": np.arange(7, dtype=np.float32).reshape(7, 1),
+        "t": np.arange(12, dtype=np.int64).reshape(3, 4).T,  # not contiguous: written as its contiguous copy
+        "e": np.zeros((0, 3), np.float16),
+        "s": np.float32(2.5).reshape(()),
+    }
+    durable.write_arrays(tmp_path / "a", arrays, {"k": [1, "x"]})
+    got, meta = durable.read_arrays(tmp_path / "a")
+    assert meta == {"k": [1, "x"]} and list(got) == ["f", "t", "e", "s"]
+    for k, x in arrays.items():
+        assert got[k].dtype == x.dtype and got[k].shape == x.shape and np.array_equal(got[k], x), k
+    assert all(x.ctypes.data % 64 == got["f"].ctypes.data % 64 for x in got.values() if x.size)
+    data = bytearray((tmp_path / "a").read_bytes())
+    data[-100] ^= 4
+    (tmp_path / "a").write_bytes(data)
+    with pytest.raises(durable.CorruptFileError, match="checksum mismatch"):
+        durable.read_arrays(tmp_path / "a")
 
 
 def test_a_failed_snapshot_does_not_fail_its_durable_commit(tmp_path, monkeypatch):
@@ -490,10 +542,10 @@ def test_a_file_with_a_valid_checksum_but_implausible_values_is_quarantined(tmp_
     as a damaged file is, and the newest plausible state restored."""
     _scenario(tmp_path)
     path = tmp_path / FILES[where]
-    z, meta = durable.read_npz(path)
+    z, meta = durable.read_arrays(path)
     key = next(k for k in z if k.startswith("v/"))
     z[key] = np.full_like(z[key], bad)
-    durable.write_npz(path, z, meta)  # a valid checksum over the bad values
+    durable.write_arrays(path, z, meta)  # a valid checksum over the bad values
     r = open_store(tmp_path)
     assert_state(r, [3, 3] if where == "wal" else [4, 3])
     (q,) = r.quarantined

@@ -117,7 +117,7 @@ def test_one_store_holds_a_mirror_and_a_silent_holder_is_taken_over(tmp_path):
     assert commit(a, 0, 9.0).accepted and a.versions == [1, 0]
     assert a.errors[-1]["op"] == "mirror" and "taken over by the store on host head-b" in a.errors[-1]["error"]
     assert a.summary()["mirror"]["lost"]
-    np.testing.assert_array_equal(durable.read_npz(tmp_path / "bucket/wal/p000-v00000001.npz")[0]["v/a"], 5.0)
+    np.testing.assert_array_equal(durable.read_arrays(tmp_path / "bucket/wal/p000-v00000001.npz")[0]["v/a"], 5.0)
 
 
 def test_an_unreachable_mirror_fails_no_commit_and_catches_up(tmp_path):

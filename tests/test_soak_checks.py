@@ -47,11 +47,11 @@ def test_rss_growth_measures_each_process_over_its_own_life():
 def test_disk_check_finds_damaged_and_non_finite_files(tmp_path):
     store = tmp_path / "store"
     (store / "wal").mkdir(parents=True)
-    durable.write_npz(store / "wal" / "p000-v00000001.npz", {"v/w": np.ones(3, np.float32)}, {"version": 1})
+    durable.write_arrays(store / "wal" / "p000-v00000001.npz", {"v/w": np.ones(3, np.float32)}, {"version": 1})
     assert soak.disk_check(store) == {"files": 1, "corrupt": [], "nonfinite": [], "quarantined": []}
-    durable.write_npz(store / "wal" / "p000-v00000002.npz", {"v/w": np.array([1, np.nan], np.float32)}, {})
+    durable.write_arrays(store / "wal" / "p000-v00000002.npz", {"v/w": np.array([1, np.nan], np.float32)}, {})
     bad = store / "wal" / "p001-v00000001.npz"
-    durable.write_npz(bad, {"v/w": np.ones(3, np.float32)}, {})
+    durable.write_arrays(bad, {"v/w": np.ones(3, np.float32)}, {})
     bad.write_bytes(bad.read_bytes()[:-3])
     r = soak.disk_check(store)
     assert r["files"] == 3 and r["nonfinite"] == ["wal/p000-v00000002.npz"] and len(r["corrupt"]) == 1
