@@ -577,6 +577,73 @@ def bandwidth_section(bw: dict, q: Quality | None) -> list[str]:
             "`compression.publish: delta`).",
             "",
         ]
+    if "entropy" in bw:
+        out += entropy_lines(bw["entropy"])
+    return out
+
+
+def entropy_lines(e: dict) -> list[str]:
+    """bandwidth.json's ``entropy``: the training runs with and without zstd, its levels and layouts."""
+    runs = {r["entropy"]: r for r in e["runs"]}
+    r0 = runs["none"]
+    out = [
+        "### Entropy coding (`compression.entropy: zstd`)",
+        "",
+        f"Measured in training, once with each setting: the quality regime's rung *{r0['label']}* "
+        f"(M = {r0['learners']}, H = {r0['H']}, {r0['steps']} steps per learner, {r0['params']:,} parameters, "
+        f"seed 0). Bytes are what the "
+        "learners' services counted as sent and received: `Payload.nbytes` as it travelled, a zstd frame with its "
+        "header and checksum. The ratio is 8 bytes per parameter per learner step (fp32 ring all-reduce dp) over "
+        f"them. zstd is lossless: {'the same' if e['same_loss'] else '**not the same**'} eval loss to the last digit.",
+        "",
+        "| entropy | bytes up | bytes down | × less than fp32 dp | eval loss | config |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for k in ("none", "zstd"):
+        r = runs[k]
+        out.append(
+            f"| {k} | {r['bytes_up']:,} | {r['bytes_down']:,} | {r['ratio_to_dp']:.1f} | {r['eval_loss']:.4f} | "
+            f"`{r['config_hash']}` |"
+        )
+    big = {x["level"]: x for x in e["throughput"] if "compress_MBps" in x}
+    out += [
+        "",
+        "zstd levels on the int4 codes that run sent without it (frames over raw codes; a frame that is not smaller "
+        "is not sent), and on one 8 MiB tensor of Gaussian int4 codes; MB/s of codes on one core, best of 3 "
+        "(the run's tensors are small, so its MB/s are mostly per-call cost):",
+        "",
+        "| level | pushes | publishes | compress MB/s (run) | decompress MB/s (run) | 8 MiB: ratio | compress | "
+        "decompress |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def mbps(x: float) -> str:
+        return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
+
+    for up, down in zip(e["levels"]["up"], e["levels"]["down"], strict=True):
+        b = big[up["level"]]
+        out.append(
+            f"| {up['level']} | {up['codes_ratio']:.4f} | {down['codes_ratio']:.4f} | {mbps(up['compress_MBps'])} | "
+            f"{mbps(up['decompress_MBps'])} | {b['codes_ratio']:.4f} | {mbps(b['compress_MBps'])} | "
+            f"{mbps(b['decompress_MBps'])} |"
+        )
+    lay = e["layouts"]["up"]
+    syn = {(x["values"], x["dtype"]): x["wire_ratio"] for x in e["synthetic"]}
+    out += [
+        "",
+        f"Layouts of the pushes' codes at level 1: nibble-packed as sent {lay['packed']:.4f}, one code per byte "
+        f"{lay['one_code_per_byte']:.4f}, bit planes {lay['bit_planes']:.4f}, codes and scales in one frame "
+        f"{lay['codes_and_scales_one_frame']:.4f} of the bytes (codes, then raw scales: "
+        f"{lay['codes_then_raw_scales']:.4f}); the codes' order-0 entropy is {lay['order0_bits_per_code']:.2f} bits "
+        f"of 4. Pushes of the run's first and second half: {e['pushes_by_half'][0]:.4f}, "
+        f"{e['pushes_by_half'][1]:.4f}. Synthetic values, int4 payloads with zstd over without: Gaussian "
+        f"{syn[('gaussian', 'int4')]:.3f}, Laplace {syn[('laplace', 'int4')]:.3f}, Student-t(3) "
+        f"{syn[('student_t3', 'int4')]:.3f} (int2: {syn[('gaussian', 'int2')]:.3f}, "
+        f"{syn[('laplace', 'int2')]:.3f}, {syn[('student_t3', 'int2')]:.3f}; bf16: {syn[('gaussian', 'bf16')]:.3f}).",
+        "",
+        f"Command: `{e['command']}`",
+        "",
+    ]
     return out
 
 

@@ -8,7 +8,8 @@ Public surface, one module (or package) per concept (ALGORITHM.md section in bra
 - `dloco.fragments`: `partition`, `FragmentPlan` (send schedule, conversions) [§3]
 - `dloco.merge`: `token_weights`, `weighted_mean`, `rda`, `merge_fragment` [§6]
 - `dloco.outer`: the outer Nesterov SGD (per commit or Delayed Nesterov) per fragment [§6]
-- `dloco.compress`: `encode`/`decode` of fp32/bf16/int8/int4/int2 payloads, error feedback [§7]
+- `dloco.compress`: `encode`/`decode` of fp32/bf16/int8/int4/int2 payloads, error feedback,
+  `pack`/`unpack` (lossless zstd coding of their bytes, `dloco.entropy`) [§7]
 - `dloco.policy`: contribution checks, grace window, per-fragment rounds [§5]
 - `dloco.learner.LearnerCore`, `dloco.syncer.SyncerCore`, `dloco.store.StoreCore`: the three
   roles' algorithms without transport [§1, §4, §5, §8]

@@ -25,6 +25,11 @@ zeros; a tiny nonzero block rounds up to the smallest positive float16 (a subnor
 Error feedback (ALGORITHM.md §4) carries what the wire lost into the next push::
 
   e ← (δ + e) − Q⁻¹(Q(δ + e))
+
+Entropy coding (`compression.entropy: zstd`) is lossless and comes on top: `pack` replaces a
+payload's ``data`` by a zstd frame of its bytes where that is smaller (`dloco.entropy`), `unpack`
+restores the very same arrays. A packed payload is what travels and what is counted; its receiver
+unpacks it once (`validate` at the syncer, `decode` at a learner) before anything reads its codes.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+
+from dloco import entropy
 
 DTYPES = ("fp32", "bf16", "int8", "int4", "int2")
 
@@ -62,10 +69,12 @@ class Payload:
       scales: ``float16`` per-block scales ``s_b`` of length ``n_pad / block`` (int8, int4, int2),
         else ``None``.
       block: values per scale block (carried for every dtype, used by the integer dtypes).
+      entropy: ``"none"``, or ``"zstd"``: ``data`` is then a ``uint8`` zstd frame of the bytes
+        described above, strictly smaller than they are (`pack`; `unpack` restores them).
 
     Raises:
-      ValueError: when the arrays do not match ``dtype``, ``shape`` and ``block`` (a malformed
-        payload is rejected here, before anything decodes it).
+      ValueError: when the arrays do not match ``dtype``, ``shape``, ``block`` and ``entropy`` (a
+        malformed payload is rejected here, before anything decodes it).
     """
 
     dtype: str
@@ -73,27 +82,30 @@ class Payload:
     data: np.ndarray
     scales: np.ndarray | None
     block: int
+    entropy: str = "none"
 
     def __post_init__(self):
         _check_dtype_block(self.dtype, self.block)
-        n = _size(self.shape)
-        expected: type[np.generic]
+        if self.entropy not in entropy.CODINGS:
+            raise ValueError(f"Payload entropy must be one of {entropy.CODINGS}, got {self.entropy!r}")
+        expected, n_data = _data_layout(self.dtype, self.shape, self.block)
         if self.dtype in _LEVELS:
-            n_blocks = -(-n // self.block)
-            n_data = n_blocks * self.block // _PER_BYTE[self.dtype]
-            expected = np.int8 if self.dtype == "int8" else np.uint8
+            n_blocks = n_data * _PER_BYTE[self.dtype] // self.block
             if self.scales is None or self.scales.dtype != np.float16 or self.scales.shape != (n_blocks,):
                 raise ValueError(
                     f"Payload {self.dtype}: scales must be float16 of shape ({n_blocks},), got "
                     f"{None if self.scales is None else (self.scales.dtype, self.scales.shape)}"
                 )
-        else:
-            n_data = n
-            raw: dict[str, type[np.generic]] = {"fp32": np.float32, "bf16": np.uint16}
-            expected = raw[self.dtype]
-            if self.scales is not None:
-                raise ValueError(f"Payload {self.dtype}: scales must be None")
-        if self.data.dtype != expected or self.data.size != n_data:
+        elif self.scales is not None:
+            raise ValueError(f"Payload {self.dtype}: scales must be None")
+        if self.entropy != "none":
+            raw = n_data * np.dtype(expected).itemsize
+            if self.data.dtype != np.uint8 or self.data.ndim != 1 or not 0 < self.data.size < raw:
+                raise ValueError(
+                    f"Payload {self.dtype} ({self.entropy}): data must be a 1-D uint8 frame of fewer than "
+                    f"{raw} bytes (the raw codes' size), got {self.data.dtype} of shape {self.data.shape}"
+                )
+        elif self.data.dtype != expected or self.data.size != n_data:
             raise ValueError(
                 f"Payload {self.dtype}: data must be {np.dtype(expected)} with {n_data} values, "
                 f"got {self.data.dtype} with {self.data.size}"
@@ -101,9 +113,10 @@ class Payload:
 
     @property
     def nbytes(self) -> int:
-        """Exact bytes of the arrays that travel: ``data.nbytes + scales.nbytes``.
+        """Exact bytes of the arrays that travel: ``data.nbytes + scales.nbytes`` (an entropy-coded
+        payload's ``data`` is its zstd frame, header and checksum included).
 
-        The few bytes of pickled metadata (``dtype``, ``shape``, ``block``) are not counted.
+        The few bytes of pickled metadata (``dtype``, ``shape``, ``block``, ``entropy``) are not counted.
         """
         return int(self.data.nbytes + (self.scales.nbytes if self.scales is not None else 0))
 
@@ -165,7 +178,11 @@ def decode(p: Payload) -> np.ndarray:
 
     Returns:
       A fresh, writable float32 array of shape ``p.shape``; it never aliases ``p.data``.
+
+    Raises:
+      ValueError: an entropy-coded ``p`` whose frame does not decode (`unpack`).
     """
+    p = unpack(p)
     if p.dtype == "fp32":
         return np.array(p.data, dtype=np.float32, copy=True).reshape(p.shape)
     if p.dtype == "bf16":
@@ -210,7 +227,9 @@ def decode_range(p: Payload, lo: int, hi: int, out: np.ndarray, factor: float = 
     For the integer dtypes `lo` must be a multiple of ``p.block`` and `out` hold whole blocks
     (``ceil((hi − lo) / block) · block`` values); the factor scales the block scales, so each code
     is read and multiplied once. Returns the view of `out` that holds the ``hi − lo`` values.
+    An entropy-coded payload is refused (ValueError): `unpack` it once, not once per range.
     """
+    _require_unpacked(p)
     f = np.float32(factor)
     if p.dtype == "fp32":
         return np.multiply(p.data.reshape(-1)[lo:hi], f, out=out[: hi - lo])
@@ -231,7 +250,8 @@ def decode_range(p: Payload, lo: int, hi: int, out: np.ndarray, factor: float = 
 def sq_norm(p: Payload) -> float:
     """``‖decode(p)‖²`` (float64 accumulation) read from the codes, without decoding: for the integer
     dtypes Σ_b s_b² Σ_i q_i² (one compiled pass over the codes: `dloco.kernels`).
-    Non-finite when a scale or value is."""
+    Non-finite when a scale or value is. ValueError for an entropy-coded payload (`unpack` it first)."""
+    _require_unpacked(p)
     flat = p.data.reshape(-1)
     total = 0.0
     if p.scales is None:
@@ -246,7 +266,9 @@ def sq_norm(p: Payload) -> float:
 
 
 def validate(p: object) -> Payload:
-    """`p` if it is a well-formed `Payload` (checked again: unpickling skips ``__post_init__``)."""
+    """`p` as a well-formed, unpacked `Payload`: checked again (unpickling skips ``__post_init__``),
+    then, if it came entropy-coded, its codes restored (`unpack`). A frame that does not decode
+    raises ValueError, as any other malformed payload does: the syncer rejects the push."""
     if not isinstance(p, Payload):
         raise ValueError(f"not a Payload: {type(p).__name__}")
     if not isinstance(p.data, np.ndarray) or not (p.scales is None or isinstance(p.scales, np.ndarray)):
@@ -254,15 +276,41 @@ def validate(p: object) -> Payload:
     if not isinstance(p.shape, tuple) or not all(isinstance(d, int) and d >= 0 for d in p.shape):
         raise ValueError(f"Payload shape must be a tuple of sizes, got {p.shape!r}")
     Payload.__post_init__(p)
-    return p
+    return unpack(p)
+
+
+def pack(p: Payload, coding: str = "zstd") -> Payload:
+    """`p` with its ``data`` entropy-coded by `coding` where that makes it smaller (`dloco.entropy`),
+    else `p` itself (``coding`` ``"none"``, an already packed `p`, or codes that do not compress:
+    they travel raw, ``entropy`` ``"none"`` says so). The scales always travel raw."""
+    if coding not in entropy.CODINGS:
+        raise ValueError(f"unknown entropy coding {coding!r}; expected one of {entropy.CODINGS}")
+    if coding == "none" or p.entropy != "none":
+        return p
+    frame = entropy.compress(p.data)
+    if frame is None:
+        return p
+    return Payload(p.dtype, p.shape, np.frombuffer(frame, np.uint8), p.scales, p.block, coding)
+
+
+def unpack(p: Payload) -> Payload:
+    """The plain payload that `pack` coded: the same ``data`` bit for bit (read-only), or `p` itself
+    if it is not entropy-coded. ValueError when the frame does not decode to exactly those bytes."""
+    if p.entropy == "none":
+        return p
+    expected, n_data = _data_layout(p.dtype, p.shape, p.block)
+    data = np.frombuffer(entropy.decompress(p.data, n_data * np.dtype(expected).itemsize), expected)
+    # fp32 and bf16 data have the payload's shape (as `encode` makes them); the codes are flat
+    return Payload(p.dtype, p.shape, data if p.scales is not None else data.reshape(p.shape), p.scales, p.block)
 
 
 def encode_with_feedback(
-    x: np.ndarray, residual: np.ndarray | None, dtype: str, block: int = 128
+    x: np.ndarray, residual: np.ndarray | None, dtype: str, block: int = 128, coding: str = "none"
 ) -> tuple[Payload, np.ndarray]:
     """Compresses ``x`` = δ with error feedback (ALGORITHM.md §4): ``y = δ + e``, payload ``Q(y)``,
     ``e ← y − Q⁻¹(Q(y))``, so the running sum of decoded payloads tracks the running sum of inputs
     within one quantization step. `residual`: ``e`` from the previous call, or ``None`` for zeros.
+    `coding`: the entropy coding of the payload (`pack`, after the residual is taken: it is lossless).
 
     Returns ``(payload, new_residual)``, the residual a fresh float32 array of ``x``'s shape.
     ValueError: as :func:`encode`, or when ``residual``'s shape differs from ``x``'s.
@@ -281,7 +329,7 @@ def encode_with_feedback(
     payload = encode(y, dtype, block)
     # Write into the decoded copy: for fp32 the payload's data may be y itself.
     decoded = decode(payload)
-    return payload, np.subtract(y, decoded, out=decoded)
+    return pack(payload, coding), np.subtract(y, decoded, out=decoded)
 
 
 def max_abs_error(p: Payload) -> np.ndarray | None:
@@ -372,3 +420,17 @@ def _check_dtype_block(dtype: str, block: int) -> None:
 
 def _size(shape: tuple[int, ...]) -> int:
     return int(np.prod(shape, dtype=np.int64))
+
+
+def _data_layout(dtype: str, shape: tuple[int, ...], block: int) -> tuple[type[np.generic], int]:
+    """(numpy dtype, element count) of a plain payload's ``data``: the codes of the zero-padded
+    blocks for the integer dtypes, one value per element for fp32 and bf16."""
+    n = _size(shape)
+    if dtype in _LEVELS:
+        return (np.int8 if dtype == "int8" else np.uint8), -(-n // block) * block // _PER_BYTE[dtype]
+    return (np.float32 if dtype == "fp32" else np.uint16), n
+
+
+def _require_unpacked(p: Payload) -> None:
+    if p.entropy != "none":
+        raise ValueError(f"an entropy-coded ({p.entropy}) payload: unpack it before reading its codes")

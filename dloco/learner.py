@@ -246,7 +246,7 @@ class LearnerCore:
         previous = self.residuals[p]
         for n, delta in pseudo_grad.items():
             e = previous[n] if (cfg.error_feedback and previous is not None) else None
-            payload[n], residual[n] = compress.encode_with_feedback(delta, e, cfg.dtype, cfg.block)
+            payload[n], residual[n] = compress.encode_with_feedback(delta, e, cfg.dtype, cfg.block, cfg.entropy)
         if cfg.error_feedback:
             self.residuals[p] = residual
         records = self.pending_pushes[p]

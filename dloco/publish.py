@@ -59,8 +59,8 @@ class Copies:
     """What each learner holds of each fragment, for per-learner delta publishing (module docstring),
     at most `limit_bytes` of them (least recently used dropped first)."""
 
-    def __init__(self, dtype: str, block: int, limit_bytes: int) -> None:
-        self.dtype, self.block, self.limit = dtype, block, limit_bytes
+    def __init__(self, dtype: str, block: int, limit_bytes: int, entropy: str = "none") -> None:
+        self.dtype, self.block, self.limit, self.entropy = dtype, block, limit_bytes, entropy
         self._held: OrderedDict[tuple[int, int], tuple[int, dict[str, np.ndarray]]] = OrderedDict()
         self.bytes = self.peak = self.dropped = 0
 
@@ -132,5 +132,6 @@ class Copies:
         for n, x in target.items():
             q[n] = compress.encode(np.asarray(x, np.float32) - held[n], self.dtype, self.block)
             new[n] = held[n] + compress.decode(q[n])
+            q[n] = compress.pack(q[n], self.entropy)  # lossless: the learner decodes to the same copy
         self._keep((learner, p), version, new)
         return q

@@ -417,6 +417,7 @@ class SyncerCore:
         for n, x in values.items():
             q[n] = compress.encode(np.asarray(x, np.float32) - self.shadows[p][n], c.publish_dtype, c.block)
             shadow[n] = self.shadows[p][n] + compress.decode(q[n])
+            q[n] = compress.pack(q[n], c.entropy)  # lossless: learners decode to the same Θ̂_p
         return shadow, q
 
     def committed(self, outcome: MergeOutcome, sync_time: float) -> None:

@@ -17,6 +17,7 @@ from dloco.compress import (
     encode,
     encode_with_feedback,
     max_abs_error,
+    pack,
     sq_norm,
     validate,
 )
@@ -304,6 +305,18 @@ def test_property_float_round_trip(x, dtype):
     assert y.shape == x.shape and y.dtype == np.float32 and np.isfinite(y).all()
     expected = x if dtype == "fp32" else x.astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(y, expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(x=_arrays, dtype=st.sampled_from(DTYPES), block=st.sampled_from([4, 16, 128]))
+def test_property_entropy_coding_is_lossless_and_never_larger(x, dtype, block):
+    p = encode(x, dtype, block=block)
+    q = pack(p)  # `compression.entropy: zstd`
+    assert q.nbytes < p.nbytes if q.entropy == "zstd" else q is p
+    r = validate(q)  # what the syncer merges
+    assert r.entropy == "none" and r.data.dtype == p.data.dtype and r.shape == p.shape
+    np.testing.assert_array_equal(r.data, p.data)
+    np.testing.assert_array_equal(decode(q), decode(p))  # what a learner installs
 
 
 def test_sq_norm_is_read_from_the_codes_by_hand():

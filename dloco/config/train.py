@@ -314,6 +314,17 @@ class CompressionConfig:
     +0.23 % against full publish over 5 seeds, inside the seed noise (per seed −0.43, +1.44, −0.01,
     −0.43, +0.55 %), for 7.8× fewer bytes down: 186× fewer in all than fp32 data-parallel at H = 24, against
     42.5× (`docs/RESULTS.md`, wire accounting).
+
+    `entropy: zstd` codes every push and published delta losslessly (`dloco.entropy`, zstd level 1)
+    where that makes it smaller; the receiver restores the same codes, so a run trains the same model
+    bit for bit. Measured in the quality regime's default rung (`benchmarks/bandwidth.py`; M = 4,
+    H = 24, int4 both ways): 14 % fewer bytes up and 13.5 % down (int4 codes carry 3.45 of their 4
+    bits), 194× fewer than fp32 data-parallel instead of 167×, the same eval loss to the last digit.
+    Decision: `none` by default. Each push costs a compression on the learner and a decompression
+    at the syncer before its round merges, about 500 and 600 MB/s of codes on one core: for M pushes
+    of a large model that is seconds per round where the merge kernels take a fraction of one. It
+    pays on links slower than about 300 Mbit/s per learner (sending 14 % of a MB there takes longer
+    than coding the MB); set it there.
     """
 
     dtype: str = "int4"
@@ -321,12 +332,14 @@ class CompressionConfig:
     error_feedback: bool = True
     publish: str = "delta"
     publish_dtype: str = "int4"
+    entropy: str = "none"  # zstd: pushes and published deltas entropy-coded (lossless), where it pays
 
     def __post_init__(self) -> None:
         dtypes = ("fp32", "bf16", "int8", "int4", "int2")
         choice("compression", self, "dtype", dtypes)
         choice("compression", self, "publish_dtype", dtypes)
         choice("compression", self, "publish", ("full", "delta"))
+        choice("compression", self, "entropy", ("none", "zstd"))
         require(self.block >= 2 and self.block % 2 == 0, "compression.block", self.block, "must be an even number >= 2")
         if "int2" in (self.dtype, self.publish_dtype):
             require(self.block % 4 == 0, "compression.block", self.block, "must be a multiple of 4 for int2")

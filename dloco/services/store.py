@@ -82,7 +82,7 @@ class StoreService:
             startup = {"process": process_s, **startup}
         c = cfg.compression
         self.per_learner = cfg.learner.install == "own" and c.publish == "delta"
-        self.copies = publish.Copies(c.publish_dtype, c.block, cfg.store.copies_mb << 20)
+        self.copies = publish.Copies(c.publish_dtype, c.block, cfg.store.copies_mb << 20, c.entropy)
         self.sessions: dict[int, _Session] = {}
         self._deltas: dict[int, tuple[int, Any]] = {}  # p → (version, ref of the syncer's q), put once
         self._full: dict[int, tuple[int, Any]] = {}  # p → (version, ref of Θ̂_p): for learners behind a delta
