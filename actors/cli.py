@@ -265,10 +265,16 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plot", help="PNG figures of one or more run directories (metrics.jsonl)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
     p.add_argument("--out", help="output directory (default: RUN_DIR/plots; for several runs, their parent's plots/)")
-    x = sub.add_parser("export", help="write a run's global model as safetensors or an Orbax checkpoint")
+    x = sub.add_parser(
+        "export", help="write a run's global model as safetensors, an Orbax or a Hugging Face checkpoint"
+    )
     x.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (running or finished)")
     x.add_argument("--out", required=True, help="a new (or empty) directory for the export")
-    x.add_argument("--format", default="safetensors", help="safetensors (default) or orbax")
+    x.add_argument(
+        "--format",
+        default="safetensors",
+        help="safetensors (default), orbax or hf (the llama family as HF Llama/Mixtral, with its tokenizer)",
+    )
     x.add_argument("--snapshot", type=int, help="the state after this many commits (a kept snapshot); default: newest")
     e = sub.add_parser("eval", help="validation loss and perplexity of a run's or an export's model")
     e.add_argument("path", metavar="RUN_DIR_OR_EXPORT")

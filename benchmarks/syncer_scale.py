@@ -43,6 +43,7 @@ import math
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -92,11 +93,73 @@ def raw_write(path: Path, size: int) -> None:
     path.unlink()
 
 
+def contributions(theta: dict[str, np.ndarray], m: int, rng: np.random.Generator) -> list[dict]:
+    """M int4 contributions to `theta`, built packed (random codes, scales about 1e-3 / 7), as the
+    syncer receives them: no float32 copy is ever allocated, so the process's heap holds nothing the
+    syncer would not."""
+    from dloco import compress
+
+    payloads = []
+    for _ in range(m):
+        d = {}
+        for k, v in theta.items():
+            blocks = -(-v.size // BLOCK)  # the last one zero-padded, as `compress.encode` pads it
+            codes = rng.integers(0, 256, blocks * BLOCK // 2, dtype=np.uint8)
+            scales = (rng.random(blocks, dtype=np.float32) * np.float32(3e-4)).astype(np.float16)
+            d[k] = compress.Payload("int4", v.shape, codes, scales, BLOCK)
+        payloads.append(d)
+    return payloads
+
+
+def store_cell(out: dict, theta: dict, leaves: list, m: int, repeat: int, rng: np.random.Generator) -> dict:
+    """The store's side of a commit (`StoreCore.commit`): the first commit of a fragment writes its
+    state (Θ_p, s_p, Θ̂_p), the next ones steps (the M contributions and the published q, with the
+    digest of the state they produce); in turns with plain fsynced writes of as many random bytes."""
+    from dloco import ledger, recipe, store
+
+    contribs, q = contributions(theta, m, rng), contributions(theta, 1, rng)[0]
+    made = recipe.Recipe(
+        deltas=tuple(contribs),
+        weights=tuple(float(i + 1) for i in range(m)),
+        share=1.0,
+        norms=tuple({k: 1.0 for k in theta} for _ in range(m)),
+        rule="rda",
+        embedding=(),
+        outer={"kind": "outer", "lr": 0.7, "momentum": 0.9, "nesterov": True, "delay": m},
+        published=q,
+    )
+    merged = tuple(ledger.MergedPush(i, 1, 1, 1000, 10, {"index": 1}) for i in range(m))
+    reset_peak()
+    state_s, step_s, disk_state, disk_step, step_bytes, state_bytes = [], [], [], [], 0, 0
+    with tempfile.TemporaryDirectory(dir=os.environ.get("DLOCO_BENCH_DIR")) as d:
+        for r in range(repeat):  # in turns: the disk here is noisy from second to second
+            core = store.StoreCore(Path(d) / f"s{r}", [theta], [leaves], snapshot_every=1 << 30)
+            wal = Path(d) / f"s{r}" / "wal"
+            for v in range(3):  # version 1: the state; 2 and 3: steps
+                c = store.Commit(0, v, theta, leaves, merged, f"c{v}", shadow=theta, delta=q, recipe=made)
+                t = best(lambda c=c, core=core: core.commit(c), 1)
+                size = (wal / f"p000-v{v + 1:08d}.npz").stat().st_size
+                if v == 0:
+                    state_s.append(t)
+                    state_bytes = size
+                    disk_state.append(best(lambda size=size: raw_write(Path(d) / "raw", size), 1))
+                else:
+                    step_s.append(t)
+                    step_bytes = size
+                    disk_step.append(best(lambda size=size: raw_write(Path(d) / "raw", size), 1))
+            core.close()
+            shutil.rmtree(Path(d) / f"s{r}")
+    out["peak_rss"] = peak_rss()
+    out.update(state_s=min(state_s), state_bytes=state_bytes, disk_state_s=min(disk_state))
+    out.update(wal_s=min(step_s), wal_bytes=step_bytes, disk_s=min(disk_step))
+    return out
+
+
 def cell(role: str, n: int, m: int, repeat: int) -> dict:
     """One role's measurements for N = n parameters and M = m contributions (run in a child process)."""
     import jax.numpy as jnp
 
-    from dloco import compress, config, durable, merge, outer
+    from dloco import compress, config, merge, outer
 
     jnp.zeros(1).block_until_ready()  # the runtime up before the baseline
     tiny = compress.encode(np.ones(BLOCK, np.float32), "int4", BLOCK)
@@ -107,30 +170,8 @@ def cell(role: str, n: int, m: int, repeat: int) -> dict:
     ocfg = dataclasses.replace(config.OuterConfig(), lr=0.7, momentum=0.9, delay=m)  # state: momentum and buffer
     step, state = outer.make_outer_step(ocfg), outer.init(ocfg, theta)
     if role == "store":
-        leaves = outer.state_to_numpy(state)
-        arrays = {**{f"v/{k}": v for k, v in theta.items()}, **{f"s/{i}": s for i, s in enumerate(leaves)}}
-        arrays.update({f"h/{k}": v for k, v in theta.items()})
-        reset_peak()
-        with tempfile.TemporaryDirectory(dir=os.environ.get("DLOCO_BENCH_DIR")) as d:
-            path = Path(d) / "p000-v00000001.npz"
-            wal, disk = [], []
-            for _ in range(repeat):  # in turns: the disk here is noisy from second to second
-                wal.append(best(lambda: durable.write_arrays(path, arrays, {"version": 1}), 1))
-                disk.append(best(lambda: raw_write(Path(d) / "raw", path.stat().st_size), 1))
-            out["wal_s"], out["disk_s"], out["wal_bytes"] = min(wal), min(disk), path.stat().st_size
-        out["peak_rss"] = peak_rss()
-        return out
-    # int4 contributions built packed (random codes, scales about 1e-3 / 7), as the syncer receives
-    # them: no float32 copy is ever allocated, so the process's heap holds nothing the syncer would not
-    payloads = []
-    for _ in range(m):
-        d = {}
-        for k, v in theta.items():
-            blocks = -(-v.size // BLOCK)  # the last one zero-padded, as `compress.encode` pads it
-            codes = rng.integers(0, 256, blocks * BLOCK // 2, dtype=np.uint8)
-            scales = (rng.random(blocks, dtype=np.float32) * np.float32(3e-4)).astype(np.float16)
-            d[k] = compress.Payload("int4", v.shape, codes, scales, BLOCK)
-        payloads.append(d)
+        return store_cell(out, theta, outer.state_to_numpy(state), m, repeat, rng)
+    payloads = contributions(theta, m, rng)
     weights = merge.token_weights([1000 * (i + 1) for i in range(m)], [10] * m)
     holder: dict = {}
 
@@ -197,21 +238,25 @@ def report(doc: dict) -> str:
             f"{r['rss_syncer_x_model']:.2f}× | {num(r['rss_decoded_merge_x_model'], '.2f', '×')} / "
             f"{num(r['rss_decoded_x_model'], '.2f', '×')} | {r['rss_store_x_model']:.2f}× |"
         )
-    stores = {(r["params"], r["shards"]): r for r in doc["rows"] if r.get("disk_s")}  # one store cell each
-    if stores:
-        rates = [
-            f"{r['params'] / 1e6:.0f} M, S = {r['shards']}: {r['wal_bytes'] / r['wal_s'] / 1e6:.0f} MB/s "
-            f"(plain: {r['wal_bytes'] / r['disk_s'] / 1e6:.0f} MB/s)"
-            for r in stores.values()
-        ]
+    if any("state_s" in r for r in doc["rows"]):
         lines += [
             "",
-            "Where the commit's time goes: the log write. The log file (Θ_p, s_p, Θ̂_p: 4 × N/S × 4 bytes) is "
-            "written at " + "; ".join(rates) + ", against a plain fsynced write of as many random bytes, "
-            "measured in turns with it, in parentheses; the difference is the file's BLAKE2b checksum, the "
-            "zip's CRC-32 and the copies in between. A shard writes only its own fragments, to its own disk on a "
-            "cluster.",
+            "The log write (`dloco.commitlog`): *wal* is the store's `commit` of a fragment whose state is on "
+            "disk, which writes a step: the M int4 contributions and the published int4 q as they are, with "
+            "the XXH3-128 digest of the state they produce (replayed and checked at a restart). *state* is "
+            "the commit that writes the whole state instead (Θ_p, s_p, Θ̂_p in float32: the first commit "
+            "after a start, one in `store.snapshot_every`, and every commit before steps existed); *disk*: "
+            "plain fsynced writes of as many random bytes, in turns with each.",
+            "",
+            "| N | S | M | wal (step) | bytes | disk | state | bytes | disk |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
+        for r in doc["rows"]:
+            lines.append(
+                f"| {r['params'] / 1e6:.0f} M | {r['shards']} | {r['learners']} | {r['wal_s']:.3f} | "
+                f"{r['wal_bytes'] / 1e6:.0f} MB | {r['disk_s']:.3f} | {r['state_s']:.3f} | "
+                f"{r['state_bytes'] / 1e6:.0f} MB | {r['disk_state_s']:.3f} |"
+            )
     r0 = doc["rows"][0]
     lines += [
         "",
@@ -266,8 +311,8 @@ def main() -> None:
     rows = []
     for n, shards in ((int(p), s) for p in params for s in args.shards):
         part = n // shards  # what one shard merges and holds
-        store = run_cell("store", part, 1, args.repeat)
         for m in learners:
+            store = run_cell("store", part, m, args.repeat)
             s, dec = run_cell("syncer", part, m, args.repeat), run_cell("decoded", part, m, args.repeat)
             model = 4 * part
             arith = s["screen_s"] + s["merge_s"] + s["outer_s"]
@@ -279,6 +324,9 @@ def main() -> None:
                 "wal_s": store["wal_s"],
                 "wal_bytes": store["wal_bytes"],
                 "disk_s": store["disk_s"],
+                "state_s": store["state_s"],
+                "state_bytes": store["state_bytes"],
+                "disk_state_s": store["disk_state_s"],
                 "commit_s": commit,
                 "arith_ratio_to_memcpy": s["memcpy_s"] / arith,
                 "decoded_merge_outer_s": None if "error" in dec else dec["decoded_s"] + dec["outer_s"],

@@ -275,6 +275,22 @@ def read_arrays(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
     return arrays, meta
 
 
+def read_meta(path: str | os.PathLike) -> dict | None:
+    """The meta of a `write_arrays` file read from its index alone, unverified (the payload is not
+    read): a cheap look at what a file holds before reading it whole. None for a file of another
+    format, or one whose index cannot be read (`read_arrays` then finds what is wrong with it)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(_HEADER.size + _INDEX.size)
+            if len(head) < _HEADER.size + _INDEX.size or not head.startswith(MAGIC):
+                return None
+            (n,) = _INDEX.unpack_from(head, _HEADER.size)
+            meta = json.loads(fh.read(min(n, 1 << 26)))["meta"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 def _read_npz(path: str | os.PathLike, data: bytes) -> tuple[dict[str, np.ndarray], dict]:
     """The arrays and meta of an ``.npz`` payload written before `write_arrays` (meta in ``meta``)."""
     if not data.startswith(b"PK"):

@@ -9,6 +9,9 @@ An export is a directory:
     dloco.json                   format, per-fragment versions, where from, parameter count, vocabulary
     tokenizer.json               the BPE tokenizer, when the run used one
 
+``--format hf`` writes the llama family as a Hugging Face checkpoint instead (`dloco.hf`: HF's
+config, tensor names and layouts, tokenizer files), which ``model.init_from=hf:DIR`` reads back.
+
 `read_run` reads the global model of a run directory without touching the run: the newest state
 that verifies (`read_global`), so a running store may go on writing beside it; a
 fragment that never merged is still its initial Θ_p⁰. ``snapshot=N`` reads the state after N
@@ -37,14 +40,16 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from dloco import config, durable, model
+from dloco import config, durable, hf, model
+from dloco.commitlog import SNAP_NAME, WAL_NAME, load_entry, load_fragment, roll_forward
 from dloco.config import RunConfig
 from dloco.data import Tokenizer
+from dloco.durable import CorruptFileError
 from dloco.fragments import flatten, unflatten
 from dloco.services import shards
-from dloco.store import SNAP_NAME, WAL_NAME, CorruptFileError, load_fragment
 
-FORMATS = ("safetensors", "orbax")
+FORMATS = ("safetensors", "orbax")  # dloco's own: what `load` reads back
+EXPORT_FORMATS = (*FORMATS, "hf")  # and the llama family as a Hugging Face checkpoint (`dloco.hf`)
 META = "dloco.json"
 READ_ATTEMPTS = 8  # reads of a store that pruned what was being read, before `read_global` gives up
 
@@ -124,16 +129,18 @@ def _read_global_once(root: Path, count: int, snapshot: int | None) -> tuple[lis
             break
         except CorruptFileError as e:
             missing = missing or e.reason == "missing"
+    damaged: list[str] = []
     for p in range(count):
-        for (_, v), path in reversed([e for e in log if e[0][0] == p]):
-            held = frs[p]
-            if held is not None and v <= held.version:
-                break
-            try:
-                frs[p], source = load_fragment(path), source or "log"
-                break
-            except CorruptFileError as e:
-                missing = missing or e.reason == "missing"
+        held = frs[p]
+        frs[p] = roll_forward(
+            held,
+            [(v, path) for (q, v), path in log if q == p],
+            set_aside=lambda path, reason: damaged.append(reason),  # read only: the store sets files aside
+            check=lambda path, f: None,
+            load=lambda path: load_entry(path),  # looked up at each call (a test wraps it)
+        )
+        source = source or ("log" if frs[p] is not held else "")
+    missing = missing or "missing" in damaged
     if missing:
         now_log, now_snaps = _listing(root, snapshot)
         if now_snaps != snaps or not set(log) <= set(now_log):  # pruned (or set aside) under this read
@@ -179,9 +186,17 @@ def read_run(run_dir: str | os.PathLike, snapshot: int | None = None) -> Exporte
     """The global model of a run directory (module docstring)."""
     run_dir = Path(run_dir)
     cfg, fp = _run_config(run_dir)
+    versions, values, source = read_shards(run_dir, len(fp["plan"]), cfg.syncer.shards, snapshot)
+    return assemble(run_dir, versions, values, source)
+
+
+def assemble(run_dir: str | os.PathLike, versions: list[int], values: list, source: str) -> Exported:
+    """The model of run `run_dir` from its fragments' `values` (None: never merged, Θ_p⁰ from the
+    run's seed) at `versions`: `read_run` from the files, `dloco.checkpoints` from a store's memory."""
+    run_dir = Path(run_dir)
+    cfg, fp = _run_config(run_dir)
     vocab = int(fp["vocab_size"])
     shapes = [{n: tuple(s) for n, s in f} for f in fp["plan"]]
-    versions, values, source = read_shards(run_dir, len(shapes), cfg.syncer.shards, snapshot)
     if any(v is None for v in values):  # a fragment never merged: Θ_p⁰, from the run's seed
         init = flatten(model.init_params(model.build(cfg.model, vocab), cfg.seed, cfg.data.seq_len))
         values = [{n: np.asarray(init[n]) for n in s} if v is None else v for v, s in zip(values, shapes, strict=True)]
@@ -196,15 +211,16 @@ def read_run(run_dir: str | os.PathLike, snapshot: int | None = None) -> Exporte
 
 def export(run_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, snapshot: int | None = None) -> dict:
     """Writes the run's global model to the directory `out` (created; must be empty or absent)
-    in `fmt` (safetensors | orbax); returns what ``dloco.json`` holds.
+    in `fmt` (safetensors | orbax | hf); returns what ``dloco.json`` holds (an HF export,
+    `dloco.hf`, has no ``dloco.json``: it is HF's files alone, with this in its safetensors header).
 
     Complete or not at all (`durable.write_dir`): written into a ``tmp-*`` directory beside `out`,
     every file fsynced, then renamed to `out`. Written in place, a failure (disk full) or a kill
     midway left a half export that ``dloco eval`` read (or, its ``dloco.json`` not yet written,
     took for a run directory) and that refused the same --out again; now no `out` appears, and
     the temporary directory is removed (a kill leaves it, named ``tmp-*``)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"format {fmt!r} is not one of {', '.join(EXPORT_FORMATS)}")
     out = Path(out)
 
     def refuse_a_used_out() -> None:
@@ -212,6 +228,9 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, snapsho
             raise FileExistsError(f"{out}: exists and is not an empty directory; choose a new --out")
 
     refuse_a_used_out()
+    if fmt == "hf":  # before the run is read: a model or corpus it cannot write
+        cfg, fp = _run_config(Path(run_dir))
+        hf.check_exportable(cfg, fp.get("tokenizer", {}).get("kind", cfg.data.tokenizer))
     m = read_run(run_dir, snapshot)
     flat = flatten(m.params)
     meta = {
@@ -224,25 +243,35 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, snapsho
 
     def fill(d: Path) -> None:
         _mode_of_a_new_dir(d)
-        if fmt == "safetensors":
-            from safetensors.numpy import save_file
-
-            save_file(flat, str(d / "model.safetensors"), metadata={"format": "dloco", "versions": str(m.versions)})
-        else:
-            import orbax.checkpoint as ocp
-
-            with ocp.StandardCheckpointer() as ckpt:
-                ckpt.save((d / "orbax").absolute(), m.params)
-        (d / "config.json").write_text(json.dumps(m.cfg.to_dict(), indent=2))
-        if m.tokenizer_file is not None and m.cfg.data.tokenizer != "byte":
-            shutil.copy(m.tokenizer_file, d / "tokenizer.json")
-        (d / META).write_text(json.dumps(meta, indent=2))
-        _fsync_tree(d)
+        write_model(d, m, meta, fmt)
         refuse_a_used_out()  # again: `write_dir` replaces what is at `out`, and the export took a while
 
     out.parent.mkdir(parents=True, exist_ok=True)  # with the umask's mode, as `out` (`_mode_of_a_new_dir`)
     durable.write_dir(out, fill)
     return meta
+
+
+def write_model(d: Path, m: Exported, meta: dict, fmt: str) -> None:
+    """Writes the model `m` into the existing directory `d` in `fmt` (`export`), every file fsynced;
+    `meta` is what ``dloco.json`` holds (its ``versions`` and ``source`` go into an HF header)."""
+    if fmt == "hf":
+        hf.write(d, m.cfg, m.params, m.vocab_size, m.tokenizer_file, {k: meta[k] for k in ("versions", "source")})
+    elif fmt == "safetensors":
+        from safetensors.numpy import save_file
+
+        flat = {n: np.asarray(x, np.float32) for n, x in flatten(m.params).items()}
+        save_file(flat, str(d / "model.safetensors"), metadata={"format": "dloco", "versions": str(m.versions)})
+    else:
+        import orbax.checkpoint as ocp
+
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save((d / "orbax").absolute(), m.params)
+    if fmt != "hf":
+        (d / "config.json").write_text(json.dumps(m.cfg.to_dict(), indent=2))
+        if m.tokenizer_file is not None and m.cfg.data.tokenizer != "byte":
+            shutil.copy(m.tokenizer_file, d / "tokenizer.json")
+        (d / META).write_text(json.dumps(meta, indent=2))
+    _fsync_tree(d)
 
 
 def _mode_of_a_new_dir(d: Path) -> None:
@@ -361,8 +390,11 @@ def load(path: str | os.PathLike, snapshot: int | None = None) -> Exported:
 
 
 def initial_params(path: str | os.PathLike, cfg: RunConfig, vocab_size: int, seq_len: int) -> dict[str, Any]:
-    """`model.init_from`: the parameters at `path` for the model `cfg` builds; a `ValueError`
-    naming the first tensor that differs if they are not of that model."""
+    """`model.init_from`: the parameters at `path` (``hf:DIR``: an HF checkpoint, `dloco.hf.read`)
+    for the model `cfg` builds; a `ValueError` naming the first tensor that differs if they are not
+    of that model."""
+    if str(path).startswith("hf:"):
+        return hf.read(str(path)[3:], cfg, vocab_size, seq_len)
     src = load(path)
     shapes = jax.eval_shape(functools.partial(model.init_params, model.build(cfg.model, vocab_size), 0, seq_len))
     want, have = flatten(shapes), flatten(src.params)

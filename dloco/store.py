@@ -4,24 +4,28 @@
 optimizer state s_p of each fragment, the learner registry (id → incarnation) and the token
 ledger (`dloco.ledger`: per fragment and learner, tokens merged and the last merged push).
 
-On disk under `root` (``run_dir/store``), every file checksummed, atomic and durable (`dloco.durable`):
-``wal/p{p:03d}-v{v:08d}.npz`` per commit, the fragment's full new state (Θ_p, s_p, the shadow Θ̂_p,
-version, commit_id, ledger, the syncer's norm history), written before the commit is acknowledged
-(if that fails, e.g. disk full or read-only, the commit raises OSError, unapplied);
-``snap-{n:08d}/`` every `store.snapshot_every` commits, all fragments and ``meta.json`` (commits,
-versions, registry), written in ``tmp-*`` and renamed, the last `store.keep` kept and older log files
-pruned (a failed snapshot goes to `errors`, its commit stands, and is tried again when next due);
-``registry.json``; ``LOCK``, flocked until `close` (a second store raises `RunDirLocked`); and
-``quarantine/``: damaged files and snapshots moved aside (never deleted), listed in `quarantined`.
-With a `mirror` (`dloco.mirror`), each write is copied to a `pyarrow.fs` URI before it returns, and
-a start with an empty `root` first pulls the URI's copy (the head node and its disk lost).
+On disk under `root` (``run_dir/store``), every file checksummed, atomic and durable (`dloco.durable`),
+in the formats of `dloco.commitlog`: ``wal/p{p:03d}-v{v:08d}.npz`` per commit, written before the
+commit is acknowledged (if that fails, e.g. disk full or read-only, the commit raises OSError,
+unapplied): a *step* (what the commit merged, its `Commit.recipe`: int4 contributions are an eighth
+to a third of the state's bytes) when the fragment's state before it is on disk and fewer than
+`store.snapshot_every` steps were written since, else the fragment's full new *state* (Θ_p, s_p,
+the shadow Θ̂_p); both carry version, commit_id, ledger and the syncer's norm history;
+``snap-{n:08d}/`` every `store.snapshot_every` commits, all fragments' states and ``meta.json``
+(commits, versions, registry), written in ``tmp-*`` and renamed, the last `store.keep` kept and
+older log files pruned (a failed snapshot goes to `errors`, its commit stands, and is tried again
+when next due); ``registry.json``; ``LOCK``, flocked until `close` (a second store raises
+`RunDirLocked`); and ``quarantine/``: damaged files and snapshots moved aside (never deleted),
+listed in `quarantined`. With a `mirror` (`dloco.mirror`), each write is copied to a `pyarrow.fs`
+URI before it returns, and a start with an empty `root` first pulls the URI's copy (the head node
+and its disk lost).
 
 Versions are the integers in the names (``:08d`` is a minimum width). A start restores the newest
-snapshot that verifies completely, else an older one, then per fragment the newest log file that
-verifies, if newer: committed data intact anywhere is kept. A damaged ``registry.json`` is rebuilt
-from the snapshot's and the ledgers' incarnations. Fragment files are `durable.write_arrays` files
-(the ``.npz`` in their names is historical: runs before it wrote zip files there, which are still
-read, verified by their blake2b header, or by the zip's CRC-32 alone if they predate checksums).
+snapshot that verifies completely, else an older one, then per fragment rolls forward through its
+log (`commitlog.roll_forward`): to the newest state entry that verifies, then replaying the steps
+above it, each checked against the digest of the state it committed: committed data intact
+anywhere is kept (a step whose predecessor is lost cannot be replayed, and is set aside). A
+damaged ``registry.json`` is rebuilt from the snapshot's and the ledgers' incarnations.
 
 A commit is compare-and-set on v_p: it applies only to the version it was computed from. A retry
 of the commit that produced the current version (same `commit_id`) is acknowledged again, so a
@@ -31,15 +35,26 @@ commit can be retried safely after a store restart.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from dloco import durable
+from dloco import durable, recipe
+from dloco.commitlog import (
+    SNAP_NAME,
+    WAL_NAME,
+    FragmentState,
+    LogStep,
+    check_values,
+    load_fragment,
+    roll_forward,
+    save_state,
+    save_step,
+)
 from dloco.durable import CorruptFileError, RunDirLocked
 from dloco.ledger import MergedPush, merged_cursor, record, tokens_merged
 from dloco.mirror import Mirror
@@ -65,6 +80,7 @@ class Commit:
     shadow: dict[str, np.ndarray] | None = None
     delta: dict | None = None  # tensor name → compress.Payload
     norms: tuple[float, ...] | None = None  # the syncer's per-step norm history of p (§5); None: unchanged
+    recipe: recipe.Recipe | None = None  # what it merged: the store may log that instead (`dloco.commitlog`)
 
     @property
     def version(self) -> int:
@@ -86,45 +102,6 @@ class Registration:
     incarnation: int
     cursor: dict | None  # merged cursor: data position of its last push merged into every fragment
     step: int  # local step of that push (drives the inner lr schedule)
-
-
-@dataclass
-class _Fragment:
-    version: int
-    values: dict[str, np.ndarray]
-    outer_state: list[np.ndarray]
-    ledger: dict[int, dict] = field(default_factory=dict)  # learner → {tokens, cursor, step, incarnation}
-    commit_id: str = ""
-    shadow: dict[str, np.ndarray] | None = None  # Θ̂_p (publish: delta), else None: Θ_p itself
-    norms: list[float] = field(default_factory=list)  # the syncer's outlier-check history (§5), oldest first
-
-
-WAL_NAME, SNAP_NAME = re.compile(r"p(\d+)-v(\d+)\.npz"), re.compile(r"snap-(\d+)")
-
-
-def _save_fragment(path: Path, f: _Fragment) -> None:
-    arrays = {f"v/{k}": v for k, v in f.values.items()}
-    arrays.update({f"s/{i}": s for i, s in enumerate(f.outer_state)})
-    arrays.update({f"h/{k}": v for k, v in (f.shadow or {}).items()})
-    meta = {"version": f.version, "commit_id": f.commit_id, "ledger": {str(k): v for k, v in f.ledger.items()}}
-    durable.write_arrays(path, arrays, {**meta, "norms": f.norms})
-
-
-def load_fragment(path: Path) -> _Fragment:
-    """The fragment in `path`, verified; `CorruptFileError` if it is missing, damaged or unreadable."""
-    z, meta = durable.read_arrays(path)
-    try:
-        state = [z[f"s/{i}"] for i in range(sum(k.startswith("s/") for k in z))]
-        shadow = {k[2:]: x for k, x in z.items() if k.startswith("h/")} or None
-        ledger = {int(k): v for k, v in meta["ledger"].items()}
-        values = {k[2:]: x for k, x in z.items() if k.startswith("v/")}
-        norms = [float(x) for x in meta.get("norms", [])]  # none in files from before it was kept
-        return _Fragment(int(meta["version"]), values, state, ledger, str(meta["commit_id"]), shadow, norms)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CorruptFileError(path, f"bad content: {e!r}") from None
-
-
-_MAX_VALUE = float(np.sqrt(np.finfo(np.float32).max))  # ~1.8e19: its square is the largest float32
 
 
 class StateLostError(RuntimeError):
@@ -179,7 +156,7 @@ class StoreCore:
         self.errors: list[dict] = []  # failures that did not fail a commit (snapshots), the last 100
         self.error_count = 0  # all of them, ever
         self.fragments = [
-            _Fragment(0, {k: np.array(v, np.float32) for k, v in f.items()}, [np.array(s) for s in o])
+            FragmentState(0, {k: np.array(v, np.float32) for k, v in f.items()}, [np.array(s) for s in o])
             for f, o in zip(initial, initial_outer, strict=True)
         ]
         try:
@@ -269,8 +246,15 @@ class StoreCore:
             )
         ledger = record(f.ledger, c.merged)
         shadow, norms = None if c.shadow is None else dict(c.shadow), f.norms if c.norms is None else list(c.norms)
-        new = _Fragment(c.version, dict(c.values), list(c.outer_state), ledger, c.commit_id, shadow, norms)
-        _save_fragment(self.root / "wal" / f"p{c.fragment_id:03d}-v{c.version:08d}.npz", new)  # durable first
+        new = FragmentState(c.version, dict(c.values), list(c.outer_state), ledger, c.commit_id, shadow, norms)
+        path = self.root / "wal" / f"p{c.fragment_id:03d}-v{c.version:08d}.npz"
+        if c.recipe is not None and self._as_step(f, new, c.recipe):  # durable first
+            sealed = dataclasses.replace(c.recipe, digest=recipe.digest(new.values, new.outer_state, new.shadow))
+            save_step(path, LogStep(new.version, new.commit_id, new.ledger, new.norms, sealed))
+            new.chain = (f.chain or 0) + 1
+        else:
+            save_state(path, new)
+            new.chain = 0
         self.fragments[c.fragment_id] = new
         self.commits += 1
         if self.commits % self.snapshot_every == 0:
@@ -281,18 +265,32 @@ class StoreCore:
         self._mirrored()
         return CommitResult(True, new.version, "committed")
 
+    def _as_step(self, before: FragmentState, after: FragmentState, r: recipe.Recipe) -> bool:
+        """Whether the commit from `before` to `after` is logged as a step (its recipe) rather than
+        the state: when the state before it is on disk (a snapshot, a state entry or steps from
+        one), fewer than `snapshot_every` steps were written since, and the recipe is at most half
+        the state's bytes (int4 contributions of a few learners: an eighth to a third)."""
+        if before.chain is None or before.chain + 1 >= self.snapshot_every:
+            return False
+        state = [*after.values.values(), *after.outer_state, *(after.shadow or {}).values()]
+        return r.nbytes <= sum(np.asarray(x).nbytes for x in state) // 2
+
     def snapshot(self) -> Path:
         """Writes all fragments and the registry into a new complete ``snap-*`` directory."""
         self._check_open()
         meta = {"commits": self.commits, "versions": self.versions, **self._registry_state(self.registry, self.retired)}
 
+        frs = list(self.fragments)
+
         def fill(d: Path) -> None:
-            for p, f in enumerate(self.fragments):
-                _save_fragment(d / f"p{p:03d}.npz", f)
+            for p, f in enumerate(frs):
+                save_state(d / f"p{p:03d}.npz", f)
             durable.write_json(d / "meta.json", meta)
 
         final = self.root / f"snap-{self.commits:08d}"
         durable.write_dir(final, fill)  # replaces one of the same count (an explicit earlier call)
+        for f in frs:
+            f.chain = 0  # on disk whole again: the next commits may be steps from here
         self._prune()
         return final
 
@@ -337,12 +335,13 @@ class StoreCore:
                 path.unlink(missing_ok=True)
         durable.fsync_dir(self.root / "wal")
 
-    def _load_snapshot(self, snap: Path) -> tuple[dict, list[_Fragment]]:
+    def _load_snapshot(self, snap: Path) -> tuple[dict, list[FragmentState]]:
         """The snapshot's meta and fragments, all verified; `CorruptFileError` naming the first bad one."""
         meta = durable.read_json(snap / "meta.json")
         frs = [load_fragment(snap / f"p{p:03d}.npz") for p in range(len(self.fragments))]
         for p, f in enumerate(frs):
             self._check_values(snap / f"p{p:03d}.npz", p, f)
+            f.chain = 0  # on disk whole: steps may follow
         try:
             _ = int(meta["commits"]), _registry(meta)
             differ = [int(meta["versions"][p]) for p in range(len(frs))] != [f.version for f in frs]
@@ -352,23 +351,9 @@ class StoreCore:
             raise CorruptFileError(snap / "meta.json", f"versions {meta['versions']} differ from its fragments'")
         return meta, frs
 
-    def _check_values(self, path: Path, p: int, f: _Fragment) -> None:
-        """`CorruptFileError` if fragment p read from `path` cannot be a state the syncer committed:
-        tensors other than the initial Θ_p's, or a value of Θ_p, its outer state or its shadow that
-        is not finite or whose square overflows float32 (|x| > ~1.8e19). A file with a valid
-        checksum may still hold such values (written by a bug, or by hand); the syncer commits only
-        finite values whose norms it computes (`dloco.defence.check_commit`), and a restored 1e30
-        made every later commit's norm infinite, so the fragment could never move again."""
-        want = {k: np.shape(v) for k, v in self.fragments[p].values.items()}
-        got = {k: np.shape(v) for k, v in f.values.items()}
-        if got != want:
-            raise CorruptFileError(path, f"implausible values: tensors {got} differ from the model's {want}")
-        arrays = [*f.values.items(), *((f"state {i}", x) for i, x in enumerate(f.outer_state))]
-        arrays += [(f"shadow {k}", x) for k, x in (f.shadow or {}).items()]
-        for name, x in arrays:
-            a = np.asarray(x)
-            if a.dtype.kind == "f" and a.size and not (np.isfinite(a).all() and np.abs(a).max() <= _MAX_VALUE):
-                raise CorruptFileError(path, f"implausible values: {name} holds non-finite or > {_MAX_VALUE:.2g}")
+    def _check_values(self, path: Path, p: int, f: FragmentState) -> None:
+        """`commitlog.check_values` against fragment p's tensors."""
+        check_values(path, f, {k: np.shape(v) for k, v in self.fragments[p].values.items()})
 
     def _restore(self) -> None:
         durable.clean_tmp(self.root, self.root / "wal")
@@ -383,21 +368,17 @@ class StoreCore:
             break
         log = durable.numbered(self.root / "wal", WAL_NAME)  # oldest first, by (fragment, version)
         for p in range(len(self.fragments)):
-            for (_, v), path in reversed([e for e in log if e[0][0] == p]):  # the newest that verifies, if newer
-                if v <= self.fragments[p].version:
-                    break
-                try:
-                    f = load_fragment(path)
-                    if f.version != v:
-                        raise CorruptFileError(path, f"holds version {f.version}, not {v}")
-                    self._check_values(path, p, f)
-                except CorruptFileError as e:
-                    self.quarantined.append(durable.quarantine(self.root, path, e.reason))
-                    continue
-                self.commits += f.version - self.fragments[p].version
-                self.fragments[p] = f
+            before = self.fragments[p]
+            got = roll_forward(
+                before,
+                [(v, path) for (q, v), path in log if q == p],
+                set_aside=lambda path, reason: self.quarantined.append(durable.quarantine(self.root, path, reason)),
+                check=lambda path, f, p=p: self._check_values(path, p, f),  # type: ignore[misc]
+            )
+            if got is not None and got is not before:
+                self.commits += got.version - before.version
+                self.fragments[p] = got
                 self.restored_from = self.restored_from or "log"
-                break
         # what this start set aside, or an earlier one did (the start that refused: a second start
         # would find the store empty and begin again silently)
         lost = [Path(q["path"]).name for q in self.quarantined]

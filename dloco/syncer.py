@@ -24,6 +24,7 @@ rounds expect only the others: the reconfiguration) and takes them back with the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -48,6 +49,7 @@ from dloco.policy import (
     check_meta,
 )
 from dloco.policy.pace import PaceCheck
+from dloco.recipe import Recipe, merge_step, outer_spec
 from dloco.store import Commit, MergedPush
 
 __all__ = ["MAX_CLOCK_SKEW_S", "MergeOutcome", "SyncerCore", "rejection"]
@@ -113,6 +115,7 @@ class SyncerCore:
         self.timings = SyncerTimings(cfg.syncer.ema_decay)
         self.pace = PaceCheck(cfg.syncer.max_norm_ratio, cfg.sync.every)
         self.outer_step = outer.make_outer_step(outer.outer_config(cfg))
+        self.outer_spec = outer_spec(outer.outer_config(cfg))  # the commits' recipes name it (`dloco.recipe`)
         self.dp, self.elastic = cfg.algorithm in DP_ALGORITHMS, cfg.algorithm == "elastic_dp"
         self.dropped: set[int] = set()  # elastic_dp: learners the current configuration runs without
         self._dropping: dict[int, list[int]] = {}  # fragment → learners its closing round dropped
@@ -328,10 +331,16 @@ class SyncerCore:
         else:
             weights = np.ones(len(metas))
         share = self.share(p, metas, weights, registry)  # a partial round applies its share of the weight
-        pseudo_grad = merge.merge_fragment(
-            screened.deltas, weights, self.cfg.merge.rule, self.embedding, norms, scale=share
+        made = Recipe(
+            deltas=tuple(screened.deltas),
+            weights=tuple(float(w) for w in np.asarray(weights, np.float64)),
+            share=share,
+            norms=tuple(norms),
+            rule=self.cfg.merge.rule,
+            embedding=tuple(sorted(self.embedding)),
+            outer=self.outer_spec,
         )
-        values, state = self.outer_step(self.values[p], self.states[p], pseudo_grad, len(metas))
+        values, state = merge_step(self.values[p], self.states[p], made, self.outer_step)
         # per-step norms ‖δ‖ / c_steps (`defence.screen`), recorded when the store acknowledges
         step_norms = tuple(
             float(np.sqrt(sum(v * v for v in tn.values()))) / max(m.steps, 1)
@@ -358,6 +367,7 @@ class SyncerCore:
             shadow=shadow,
             delta=published,
             norms=(*self.norms[p].to_state(), *step_norms)[-self.norms[p].window :],
+            recipe=dataclasses.replace(made, published=published),
         )
         event = events.Merge(
             fragment=p,

@@ -61,6 +61,13 @@ def ray_cluster():
     ray.shutdown()
 
 
+def decoupled_micro(data_cache, *overrides):
+    """The config of a small decoupled run in two fragments (micro preset, 2 learners, H = 4, τ = 1)
+    for in-process runs (`dloco.sim`) of what the store does with its commits."""
+    base = ("preset=micro", f"data.cache_dir={data_cache}", "learners.count=2", "algorithm=decoupled")
+    return config.load(None, [*base, "sync.every=4", "sync.overlap=1", "fragments.count=2", *overrides])
+
+
 def wait_for(pred, timeout=120.0, every=0.25, fail=True):
     """Polls `pred` until it returns something truthy (returned) or `timeout` seconds pass (fails,
     or with ``fail=False`` returns the last falsy value, for a caller that explains the failure)."""

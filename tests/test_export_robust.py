@@ -163,14 +163,15 @@ def pruning_between_listing_and_reading(monkeypatch, when, then):
     """Runs `then` (commits: the store snapshots and prunes) just before the first file read that
     `when(path)` selects, as a store running beside the exporter does; once, or every time if `then`
     says so by returning True."""
-    real, fired = export.load_fragment, []
+    fired: list = []
+    for name in ("load_fragment", "load_entry"):  # a snapshot's files, the log's
 
-    def load(path):
-        if when(path) and (not fired or fired[-1]):
-            fired.append(then())
-        return real(path)
+        def load(path, real=getattr(export, name)):
+            if when(path) and (not fired or fired[-1]):
+                fired.append(then())
+            return real(path)
 
-    monkeypatch.setattr(export, "load_fragment", load)
+        monkeypatch.setattr(export, name, load)
     return fired
 
 

@@ -17,7 +17,8 @@ NORM_WINDOW = 64
 class ModelConfig:
     """Decoder-only transformer LM. `vocab_size=0` takes the tokenizer's vocabulary size.
     `init_from`: start from these weights (a `dloco export` directory, or a run directory's
-    newest global model) instead of a random init; they must be of this model.
+    newest global model; ``hf:DIR``: a Hugging Face Llama or Mixtral checkpoint, for the llama
+    family, `dloco.hf`) instead of a random init; they must be of this model.
 
     `family`: ``classic`` (GELU MLP, multi-head attention, tied embeddings) or ``llama`` (SwiGLU
     MLP of hidden size ⌈(2/3)·mlp_ratio·d_model / 8⌉·8, grouped-query attention with `n_kv_heads`
@@ -34,7 +35,7 @@ class ModelConfig:
     mlp_ratio: int = 4
     vocab_size: int = 0
     rope_base: float = 10000.0
-    init_from: str = ""
+    init_from: str = ""  # an export or run directory, or hf:DIR (a Hugging Face llama checkpoint)
     factory: str = ""  # your own model: "package.module:function" (see `dloco.model.build`)
     family: str = "classic"
     n_kv_heads: int = 0  # llama: key/value heads (0: n_heads); must divide n_heads
@@ -63,6 +64,14 @@ class ModelConfig:
             "must be 'package.module:function' (a function returning a flax.linen Module)",
         )
         choice("model", self, "dtype", ("float32", "bfloat16"))
+        hf = self.init_from.startswith("hf:")
+        require(not hf or len(self.init_from) > 3, "model.init_from", self.init_from, "hf: needs a directory: hf:DIR")
+        require(
+            not hf or (self.family == "llama" and not self.factory),
+            "model.init_from",
+            self.init_from,
+            "a Hugging Face checkpoint (hf:DIR) starts dloco's llama family: set model.family=llama, no model.factory",
+        )
         require(self.n_experts >= 0, "model.n_experts", self.n_experts, "must be >= 0 (0: a dense MLP)")
         require(
             not self.n_experts or 1 <= self.experts_per_token <= self.n_experts,
