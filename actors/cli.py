@@ -149,7 +149,7 @@ def train(args: argparse.Namespace) -> int:
 
 def status_cmd(args: argparse.Namespace) -> int:
     """Prints the state of the run in RUN_DIR (running, ended, not answering); 2 if none is there."""
-    from dloco import control
+    from dloco import checkpoints, control
     from dloco.metrics import table
 
     try:
@@ -157,8 +157,10 @@ def status_cmd(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(_message(e), file=sys.stderr)
         return 2
+    newest = checkpoints.newest(args.run_dir)
+    saved = f"checkpoint {newest}" if newest is not None else "checkpoint none (export.every_commits / every_s)"
     if s["state"] == "ended":
-        print(f"state      ended\n{table(s)}")
+        print(f"state      ended\n{saved}\n{table(s)}")
         return 0
     loss, errors = s.get("eval_loss"), sum((s.get("errors") or {}).values())
     ago = time.time() - s["updated"]

@@ -19,7 +19,15 @@ invalid value or combination raises `ConfigError` naming the field, the value an
 from dloco.config.check import ConfigError
 from dloco.config.loading import from_dict, load, replace
 from dloco.config.run import ALGORITHM_DEFAULTS, ALGORITHMS, BLOCKING_ALGORITHMS, DP_ALGORITHMS, PRESETS, RunConfig
-from dloco.config.system import BudgetConfig, ChaosConfig, LearnerGroup, LearnersConfig, MetricsConfig, StoreConfig
+from dloco.config.system import (
+    BudgetConfig,
+    ChaosConfig,
+    ExportConfig,
+    LearnerGroup,
+    LearnersConfig,
+    MetricsConfig,
+    StoreConfig,
+)
 from dloco.config.train import (
     CompressionConfig,
     DataConfig,
@@ -55,6 +63,7 @@ __all__ = [
     "OuterConfig",
     "RunConfig",
     "StoreConfig",
+    "ExportConfig",
     "SyncConfig",
     "SyncerConfig",
     "from_dict",

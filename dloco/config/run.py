@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dloco.config.check import choice, fail, require
-from dloco.config.system import BudgetConfig, ChaosConfig, LearnersConfig, MetricsConfig, StoreConfig
+from dloco.config.system import (
+    BudgetConfig,
+    ChaosConfig,
+    ExportConfig,
+    LearnersConfig,
+    MetricsConfig,
+    StoreConfig,
+)
 from dloco.config.train import (
     CompressionConfig,
     DataConfig,
@@ -94,6 +101,7 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
     def __post_init__(self) -> None:
         choice("", self, "preset", tuple(PRESETS))
@@ -105,6 +113,20 @@ class RunConfig:
         require(H % P == 0, "sync.every", H, f"must be a multiple of fragments.count={P} (H % P == 0)")
         require(tau < H / P, "sync.overlap", tau, f"must be < sync.every / fragments.count = {H // P} (τ < H/P)")
         require(self.syncer.shards <= P, "syncer.shards", self.syncer.shards, f"must be <= fragments.count={P}")
+        require(
+            not self.export.enabled or self.syncer.shards == 1,
+            "export.every_commits",
+            self.export.every_commits or self.export.every_s,
+            "checkpoints during a run need syncer.shards=1 (no store holds every fragment otherwise); "
+            "export the run afterwards with dloco export",
+        )
+        if self.export.enabled and self.export.format == "hf":
+            require(
+                self.model.family == "llama" and not self.model.factory,
+                "export.format",
+                "hf",
+                "a Hugging Face checkpoint is of the llama family: set model.family=llama (no model.factory)",
+            )
         K, M = self.syncer.quorum, self.learners.count
         require(K <= M, "syncer.quorum", K, f"must be <= learners.count={M} (K <= M)")
         require(

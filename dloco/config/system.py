@@ -155,6 +155,33 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class ExportConfig:
+    """Checkpoints a running run leaves behind (`dloco.checkpoints`): every `every_commits` store
+    commits, or `every_s` seconds (whichever comes first; 0: that trigger is off; both 0: none), the
+    store writes the global model as it stands (a consistent cut: every fragment at the version it
+    had at one commit) to ``run_dir/checkpoints/commit-{n}/`` as a `dloco export` of `format`
+    (``safetensors``, or ``hf``: a Hugging Face checkpoint of the llama family), off its commit
+    path; the newest `keep` are kept. `dloco status` names the newest, `Result.checkpoint` too.
+    """
+
+    every_commits: int = 0
+    every_s: float = 0.0
+    keep: int = 3
+    format: str = "safetensors"
+
+    def __post_init__(self) -> None:
+        finite("export", self)
+        require(self.every_commits >= 0, "export.every_commits", self.every_commits, "must be >= 0 (0: off)")
+        require(self.every_s >= 0, "export.every_s", self.every_s, "must be >= 0 (0: off)")
+        positive("export", self, "keep")
+        choice("export", self, "format", ("safetensors", "hf"))
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_commits > 0 or self.every_s > 0
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     """Evaluation cadence and the uptime stall threshold (ALGORITHM.md §8)."""
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dloco import build, events, publish
+from dloco.checkpoints import Checkpointer
 from dloco.config import BLOCKING_ALGORITHMS, RunConfig
 from dloco.mirror import Mirror
 from dloco.services import shards
@@ -87,6 +88,7 @@ class StoreService:
         self._deltas: dict[int, tuple[int, Any]] = {}  # p → (version, ref of the syncer's q), put once
         self._full: dict[int, tuple[int, Any]] = {}  # p → (version, ref of Θ̂_p): for learners behind a delta
         self.lock = threading.RLock()
+        self.checkpoints = Checkpointer(cfg, run_dir, clock.now, self._error) if cfg.export.enabled else None
         start = events.StoreStart(
             time=clock.wall(),
             versions=self.core.versions,
@@ -97,9 +99,17 @@ class StoreService:
         self.events: list[dict] = [start.to_dict()]
 
     def close(self) -> None:
-        """Releases the run directory (idempotent), so that another store may open it."""
+        """Releases the run directory (idempotent), so that another store may open it; a checkpoint
+        being written is finished first."""
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
         with self.lock:
             self.core.close()
+
+    def _error(self, text: str) -> None:
+        """A failure beside the commits (a checkpoint), reported as a ``store_error`` event."""
+        with self.lock:
+            self.events.append(events.StoreError(time=self.clock.wall(), error=text).to_dict())
 
     @property
     def count(self) -> int:
@@ -245,6 +255,11 @@ class StoreService:
                 for m, s in self.sessions.items():
                     if live.get(m) == s.incarnation:
                         self._offer(m, s, p, c)
+                if self.checkpoints is not None and self.checkpoints.due(self.core.commits):
+                    n = len(self.core.versions)
+                    self.checkpoints.take(
+                        self.core.commits, self.core.versions, [self.core.fragment(q)[1] for q in range(n)]
+                    )
             return result
 
     def _offer(self, m: int, s: _Session, p: int, c: Commit | None) -> None:
