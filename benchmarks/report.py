@@ -713,6 +713,43 @@ def goodput_section(gp: dict) -> list[str]:
     return [*out, ""]
 
 
+def gpu_check_section(gc: dict | None) -> list[str]:
+    """gpu_check.json (`benchmarks/gpu_check.sh`, on a GPU machine): llama-125m's train step in a bare
+    loop against the learner actor, replicated and FSDP, with MFU; "Not run" without it."""
+    out = ["## GPU check: bare loop against the learner actor (`benchmarks/gpu_check.sh`)", ""]
+    if not gc:
+        return out + ["Not run: needs a GPU (`benchmarks/gpu_check.sh`).", ""]
+    m, r0 = gc["machine"], gc["rows"][0]
+    out += [
+        f"`{gc['command']}` on {len(m['devices'])} × {m['device_kind']}"
+        + (" (tiny mode on CPU: it checks the script, not the speed)" if gc["mode"] == "tiny" else "")
+        + f": the {gc['preset']} model ({r0['params']:,} parameters), batch {gc['batch']} × {gc['seq']}. *Bare*: "
+        "the jitted train step in a tight loop on synthetic batches; *actor*: the real learner actor beside a real "
+        "store (its data stream, store polls and pushes), as in `benchmarks/learner_overhead.py`; they take turns "
+        f"in timed chunks of {gc['chunk_steps']} steps. Target actor / bare ≥ {gc['target_ratio']}. MFU: "
+        f"{r0['flops_per_token']:,} FLOPs per token ({gc['flops_formula']}) × tokens/s over the devices' peak "
+        + (
+            f"({gc['peak_tflops_per_device']:g} TFLOP/s each, {gc['peak_source']})."
+            if gc["peak_tflops_per_device"]
+            else f"(none: {gc['mfu_reason']})."
+        ),
+        "",
+        "| sharding | devices | bare tokens/s | actor tokens/s | actor / bare | median of paired chunks | MFU bare | "
+        "MFU actor |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def pct(x: float | None) -> str:
+        return "—" if x is None else f"{x:.1%}"
+
+    for r in gc["rows"]:
+        out.append(
+            f"| {r['sharding']} | {r['devices']} | {r['bare_tokens_per_s']:,.0f} | {r['actor_tokens_per_s']:,.0f} | "
+            f"{r['ratio']:.3f} | {r['paired_ratio_median']:.3f} | {pct(r['bare_mfu'])} | {pct(r['actor_mfu'])} |"
+        )
+    return [*out, ""]
+
+
 def gpu_section(d: Path, cpu_overhead: dict | None) -> list[str]:
     """The rows measured on a lent GPU machine (benchmarks/results/gpu/, written there by the commands
     this section names), each marked GPU, beside the same rows on that machine's own CPU."""
@@ -946,6 +983,7 @@ def main(argv: list[str] | None = None) -> int:
         if gp
         else ["## Goodput under learner kills", "", "Not run: `python benchmarks/goodput.py`.", ""]
     )
+    lines += gpu_check_section(load(res / "gpu_check.json"))
     lines += gpu_section(res / "gpu", lo)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
