@@ -1,5 +1,6 @@
 """Test environment: JAX on CPU with two virtual devices, few threads, no Ray started here."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -66,6 +67,40 @@ def decoupled_micro(data_cache, *overrides):
     for in-process runs (`dloco.sim`) of what the store does with its commits."""
     base = ("preset=micro", f"data.cache_dir={data_cache}", "learners.count=2", "algorithm=decoupled")
     return config.load(None, [*base, "sync.every=4", "sync.overlap=1", "fragments.count=2", *overrides])
+
+
+@pytest.fixture(scope="session")
+def store_run(tmp_path_factory, data_cache):
+    """One in-process decoupled micro run (`decoupled_micro`: int4 pushes and published deltas,
+    Delayed Nesterov; its store logging steps, a checkpoint every third commit, the newest two kept)
+    for the tests of what the store leaves on disk (`test_commitlog`, `test_checkpoints`), which
+    read it and never change it. Returns the config, the run directory, the fragments' final state
+    read from the live store, and per checkpoint taken: (versions, a copy of the cut)."""
+    from dloco import preflight
+    from dloco.checkpoints import Checkpointer
+    from dloco.sim import Sim
+
+    run_dir = tmp_path_factory.mktemp("store-run") / "run"
+    cfg = decoupled_micro(
+        data_cache, "outer.momentum=0.9", "store.snapshot_every=100", "export.every_commits=3", "export.keep=2"
+    )
+    preflight.record(preflight.check(cfg, run_dir), cfg)
+    taken: dict[int, tuple[list[int], dict[str, np.ndarray]]] = {}
+    real = Checkpointer.take
+
+    def take(self, commits, versions, values):
+        started = real(self, commits, versions, values)
+        if started:  # a copy of what the store held at that commit
+            taken[commits] = (list(versions), {n: np.array(x) for v in values for n, x in v.items()})
+        return started
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Checkpointer, "take", take)
+        sim = Sim.start(cfg, run_dir, step_times=[1.0, 1.3])
+        sim.run(24)
+        final = [dataclasses.replace(f) for f in sim.store_service.core.fragments]
+        sim.store_service.close()  # waits for the checkpoint being written
+    return cfg, run_dir, final, taken
 
 
 def wait_for(pred, timeout=120.0, every=0.25, fail=True):

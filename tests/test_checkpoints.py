@@ -7,34 +7,18 @@ import json
 
 import numpy as np
 import pytest
-from conftest import decoupled_micro
 
-from dloco import checkpoints, config, export, preflight
+from dloco import checkpoints, config, export
 from dloco.checkpoints import Checkpointer
 from dloco.config import ConfigError
 from dloco.fragments import flatten
-from dloco.sim import Sim
 
 
-def test_a_run_leaves_its_newest_checkpoints_each_the_cut_taken_at_its_commit(tmp_path, data_cache, monkeypatch):
-    cfg = decoupled_micro(data_cache, "export.every_commits=3", "export.keep=2")
-    run_dir = tmp_path / "run"
-    preflight.record(preflight.check(cfg, run_dir), cfg)
-    taken: dict[int, tuple[list[int], dict[str, np.ndarray]]] = {}
-    real = Checkpointer.take
-
-    def take(self, commits, versions, values):
-        started = real(self, commits, versions, values)
-        if started:  # a copy of what the store held at that commit
-            taken[commits] = (list(versions), {n: np.array(x) for v in values for n, x in v.items()})
-        return started
-
-    monkeypatch.setattr(Checkpointer, "take", take)
-    sim = Sim.start(cfg, run_dir, step_times=[1.0, 1.3])
-    sim.run(24)
-    commits = sim.store_service.core.commits
-    sim.store_service.close()  # waits for the checkpoint being written
+def test_a_run_leaves_its_newest_checkpoints_each_the_cut_taken_at_its_commit(store_run):
+    cfg, run_dir, final, taken = store_run  # conftest: a checkpoint every third commit, two kept
+    commits = sum(f.version for f in final)
     assert commits >= 9 and taken and all(n % 3 == 0 for n in taken)
+    assert sorted(taken) == list(range(3, commits + 1, 3))  # none skipped: each was written before the next
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     newest_two = sorted(taken)[-2:]
     assert names == [f"commit-{n:08d}" for n in newest_two], (names, sorted(taken))

@@ -7,27 +7,17 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import decoupled_micro
 
 from dloco import commitlog, durable, export, recipe
 from dloco.commitlog import WAL_NAME, LogStep
 from dloco.services.store import StoreService
-from dloco.sim import Sim, SimTransport, VirtualClock
-
-STEPS = 24
+from dloco.sim import SimTransport, VirtualClock
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, data_cache):
-    """A decoupled micro run (int4 pushes, int4 published deltas, Delayed Nesterov) whose store wrote
-    steps; the state it ended with, read from the live store before it closed."""
-    run_dir = tmp_path_factory.mktemp("steps")
-    cfg = decoupled_micro(data_cache, "outer.momentum=0.9", "store.snapshot_every=100")
-    sim = Sim.start(cfg, run_dir, step_times=[1.0, 1.3])
-    sim.run(STEPS)
-    core = sim.store_service.core
-    final = [dataclasses.replace(f) for f in core.fragments]
-    sim.store_service.close()
+@pytest.fixture
+def run(store_run):
+    """`store_run` (conftest): its store wrote steps; the state it ended with."""
+    cfg, run_dir, final, _ = store_run
     return cfg, run_dir, final
 
 

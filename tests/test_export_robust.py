@@ -164,14 +164,17 @@ def pruning_between_listing_and_reading(monkeypatch, when, then):
     `when(path)` selects, as a store running beside the exporter does; once, or every time if `then`
     says so by returning True."""
     fired: list = []
-    for name in ("load_fragment", "load_entry"):  # a snapshot's files, the log's
 
-        def load(path, real=getattr(export, name)):
+    def wrapped(real):
+        def load(path):
             if when(path) and (not fired or fired[-1]):
                 fired.append(then())
             return real(path)
 
-        monkeypatch.setattr(export, name, load)
+        return load
+
+    for name in ("load_fragment", "load_entry"):  # a snapshot's files, the log's
+        monkeypatch.setattr(export, name, wrapped(getattr(export, name)))
     return fired
 
 
