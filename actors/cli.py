@@ -1,7 +1,8 @@
 """The ``dloco`` command: ``dloco train [--config FILE] [--set a.b=c ...] [--address ADDR] [--run-dir DIR]``,
 ``dloco status RUN_DIR``, ``dloco stop RUN_DIR``, ``dloco plot RUN_DIR [RUN_DIR ...] [--out DIR]``, ``dloco
-export RUN_DIR --out DIR [--format safetensors|orbax] [--snapshot N]`` and ``dloco eval RUN_DIR_OR_EXPORT
-[--data SOURCE]``.
+export RUN_DIR --out DIR [--format safetensors|orbax|hf] [--snapshot N]``, ``dloco eval RUN_DIR_OR_EXPORT
+[--data SOURCE]`` and ``dloco prepare SOURCE --out URI [--tokenizer ...]`` (token shards for
+``data.source=tokens:URI``, on Ray Data: `actors.prepare`).
 
 With no arguments it trains the `tiny` preset with 4 learners on the built-in `stdlib` corpus on
 a local Ray cluster (started and stopped by the command), shows progress, and ends with a table.
@@ -240,6 +241,29 @@ def eval_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def prepare_cmd(args: argparse.Namespace) -> int:
+    """Prepares SOURCE into --out as token shards and a manifest (`actors.prepare`); 2 on bad input."""
+    from actors.prepare import prepare
+
+    def show(stage: str, done: int, total: int) -> None:
+        _preparing({"preparing": stage, "done": done, "total": total})
+
+    names = ("tokenizer", "vocab_size", "tokenizer_sample_bytes", "val_fraction", "text_field", "shard_tokens")
+    given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}  # else `dloco.data.prepare`'s
+    try:
+        m = prepare(args.source, args.out, address=args.address, progress=None if args.quiet else show, **given)
+    except _expected() as e:
+        print(_message(e), file=sys.stderr)
+        return 2
+    train, val = m.shards("train"), m.shards("val")
+    print(
+        f"dloco: {args.out}: {m.tokens('train'):,} training tokens in {len(train)} shards, {m.tokens('val'):,} "
+        f"validation tokens in {len(val)}, {m.tokenizer['kind']} tokenizer of {m.tokenizer['vocab_size']} ids; "
+        f"train on it with --set data.source=tokens:{args.out}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     raw = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(
@@ -287,6 +311,19 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--batches", type=int, default=32, help="batches evaluated (default 32)")
     e.add_argument("--batch-size", type=int, default=16, help="sequences per batch (default 16)")
     e.add_argument("--snapshot", type=int, help="of a run directory: the state after this many commits")
+    pr = sub.add_parser("prepare", help="tokenize a corpus on Ray Data into token shards (data.source=tokens:URI)")
+    pr.add_argument("source", metavar="SOURCE", help="stdlib | shakespeare | text:GLOB | jsonl:GLOB | parquet:GLOB")
+    pr.add_argument(
+        "--out", required=True, metavar="URI", help="output directory: a path, file://, s3://, gs://, hdfs://"
+    )
+    pr.add_argument("--tokenizer", help="byte (default), bpe (trained on a sample) or file:PATH (a tokenizer.json)")
+    pr.add_argument("--vocab-size", type=int, help="BPE vocabulary (default 4096)")
+    pr.add_argument("--tokenizer-sample-bytes", type=int, help="text a BPE is trained on (default 32,000,000)")
+    pr.add_argument("--val-fraction", type=float, help="expected share of validation documents (default 0.05)")
+    pr.add_argument("--text-field", help="JSON field or Parquet column of a document's text (default text)")
+    pr.add_argument("--shard-tokens", type=int, help="tokens per shard (default 16,777,216)")
+    pr.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a new local cluster)")
+    pr.add_argument("--quiet", action="store_true", help="no progress lines")
     args = ap.parse_args(argv)
     from dloco.config import ConfigError
 
@@ -297,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval": eval_cmd,
         "status": status_cmd,
         "stop": stop_cmd,
+        "prepare": prepare_cmd,
     }
     try:
         return commands[args.command](args)

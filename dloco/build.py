@@ -35,8 +35,11 @@ class Blueprint:
 
 def corpus(cfg: RunConfig, tokenizer: bytes | None = None, progress: data.Progress | None = None) -> data.Corpus:
     """The tokenized corpus of `cfg.data` (prepared once, then read from the cache); `tokenizer` is
-    the driver's ``tokenizer.json`` (`corpus_identity`), used instead of training or reading one."""
+    the driver's ``tokenizer.json`` (`corpus_identity`), used instead of training or reading one.
+    ``tokens:URI``: the corpus `dloco prepare` wrote there (its manifest fixes the tokenizer)."""
     d = cfg.data
+    if d.source.startswith("tokens:"):
+        return data.open_tokens(d.source.removeprefix("tokens:"), Path(d.cache_dir).expanduser())
     return data.prepare_corpus(
         d.source,
         tokenizer=d.tokenizer,
@@ -93,9 +96,11 @@ def blueprint(cfg: RunConfig, tokenizer: bytes | None = None) -> Blueprint:
     return Blueprint(c, m, plan, tuple(plan.split(params)))
 
 
-def stream(cfg: RunConfig, tokens: np.ndarray, learner_id: int, cursor=None, batch_size: int = 0):
-    """Learner `learner_id`'s token stream: shard `learner_id` of `data.shards` disjoint shards."""
-    return data.TokenStream(
+def stream(cfg: RunConfig, tokens: np.ndarray | data.ShardedTokens, learner_id: int, cursor=None, batch_size: int = 0):
+    """Learner `learner_id`'s token stream: shard `learner_id` of `data.shards` disjoint shards (of a
+    ``tokens:`` corpus's shards, `data.ShardStream`)."""
+    kind = data.ShardStream if isinstance(tokens, data.ShardedTokens) else data.TokenStream
+    return kind(
         tokens,
         seq_len=cfg.data.seq_len,
         batch_size=batch_size or cfg.inner.batch_size,
@@ -107,9 +112,14 @@ def stream(cfg: RunConfig, tokens: np.ndarray, learner_id: int, cursor=None, bat
 
 
 def eval_set(cfg: RunConfig, c: data.Corpus) -> list[np.ndarray]:
-    """The fixed validation batches used for every evaluation of a run."""
+    """The fixed validation batches used for every evaluation of a run (of a ``tokens:`` corpus, the
+    same: read from the first validation shards)."""
+    tokens = c.load_split("val")
+    if isinstance(tokens, data.ShardedTokens):
+        T, B = cfg.data.seq_len, cfg.data.eval_batch_size
+        tokens = tokens.read(0, min(len(tokens), cfg.data.eval_batches * B * T + 1))
     return data.eval_batches(
-        c.load_split("val"),
+        tokens,
         seq_len=cfg.data.seq_len,
         batch_size=cfg.data.eval_batch_size,
         max_batches=cfg.data.eval_batches,

@@ -98,14 +98,21 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """Corpus, tokenizer and windows. `source`: stdlib | shakespeare | text:GLOB | jsonl:GLOB |
-    parquet:GLOB; `text_field`: the JSON field or Parquet column holding a document's text;
+    parquet:GLOB | tokens:URI; `text_field`: the JSON field or Parquet column holding a document's text;
     `tokenizer`: byte | bpe (trained on the corpus, `vocab_size`) | file:PATH (a pretrained HF
     tokenizer.json, whose EOS is the first of <|eos|>, <|endoftext|>, <|end_of_text|>, </s>, <eos>).
     A GLOB may be a URI (gs://, s3://, hdfs://, file://). The driver prepares the corpus once (into
     `cache_dir`, keyed by content) and sends each learner its tokenizer and the corpus key: a
     learner's node tokenizes its own copy of the documents with the driver's tokenizer (no BPE of
     its own, no tokenizer file needed) and refuses to start if its key differs. Token splits are
-    memory-mapped Arrow files, shared by the learners of a node."""
+    memory-mapped Arrow files, shared by the learners of a node.
+
+    ``tokens:URI`` (a path or a URI) trains on the token shards ``dloco prepare SOURCE --out URI`` wrote
+    there, for a corpus too large to tokenize at start-up: the manifest fixes the documents, split and
+    tokenizer (`text_field`, `tokenizer`, `vocab_size`, `val_fraction` and `max_bytes` are not used),
+    its digest is the corpus key the learners and ``--resume`` compare, and each learner streams its
+    windows from a few shards at a time, verifying each shard's checksum as it opens it
+    (`dloco.data.ShardStream`: stream m of `shards` takes a range of windows that moves every epoch)."""
 
     source: str = "stdlib"
     text_field: str = "text"
@@ -122,10 +129,12 @@ class DataConfig:
     def __post_init__(self) -> None:
         finite("data", self)
         require(
-            self.source in ("stdlib", "shakespeare") or self.source.startswith(("text:", "jsonl:", "parquet:")),
+            self.source in ("stdlib", "shakespeare")
+            or self.source.startswith(("text:", "jsonl:", "parquet:"))
+            or (self.source.startswith("tokens:") and len(self.source) > len("tokens:")),
             "data.source",
             self.source,
-            "must be stdlib, shakespeare, text:GLOB, jsonl:GLOB or parquet:GLOB",
+            "must be stdlib, shakespeare, text:GLOB, jsonl:GLOB, parquet:GLOB or tokens:URI (dloco prepare's output)",
         )
         require(bool(self.text_field.strip()), "data.text_field", self.text_field, "must name a field, e.g. text")
         require(

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +19,9 @@ import pyarrow.parquet as pq
 
 from dloco.data.sources import read_documents
 from dloco.data.tokenizer import Tokenizer, train_bpe
+
+if TYPE_CHECKING:
+    from dloco.data.shards import ShardedTokens
 
 FORMAT_VERSION = 1
 DEFAULT_BPE_VOCAB_SIZE = 4096
@@ -85,11 +88,12 @@ class Corpus:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         return sorted(self.path.glob(f"{split}-*.parquet"))
 
-    def load_split(self, split: Split) -> np.ndarray:
+    def load_split(self, split: Split) -> np.ndarray | ShardedTokens:
         """Returns the split's tokens as one flat read-only array (documents in order, each ending in
         EOS), memory-mapped from ``{split}.arrow``: learners on one node share the page cache instead
         of each holding a copy. A cache written before that file existed gets it here (from the
-        Parquet shards); a cache that cannot be written is read into memory instead."""
+        Parquet shards); a cache that cannot be written is read into memory instead. (A ``tokens:``
+        corpus, `dloco.data.TokenCorpus`, returns `ShardedTokens`, read a range at a time.)"""
         shards = self._shards(split)
         flat = self.path / f"{split}.arrow"
         if not flat.exists():

@@ -88,7 +88,8 @@ def _open(path: str, fs: _FS):
     return open(path, "rb") if fs is None else fs.open_input_stream(path)
 
 
-def _rel(path: str, root: str) -> str:
+def relative_name(path: str, root: str) -> str:
+    """`path`'s name relative to `root`, with forward slashes: the name of its documents."""
     return Path(os.path.relpath(path, root)).as_posix()
 
 
@@ -96,12 +97,12 @@ def _iter_text(paths: list[str], root: str, fs: _FS = None) -> Iterator[_Doc]:
     for path in paths:
         with _open(path, fs) as f:
             text = f.read().decode("utf-8", errors="replace")
-        yield _rel(path, root), text.encode("utf-8")
+        yield relative_name(path, root), text.encode("utf-8")
 
 
 def _iter_jsonl(paths: list[str], root: str, field: str, fs: _FS = None) -> Iterator[_Doc]:
     for path in paths:
-        rel = _rel(path, root)
+        rel = relative_name(path, root)
         with _open(path, fs) as f:
             for n, line in enumerate(f.read().splitlines(), 1):
                 if not line.strip():
@@ -126,7 +127,7 @@ def _iter_parquet(paths: list[str], root: str, field: str = "text", fs: _FS = No
         if first_column not in (None, column):
             raise ValueError(f"{path}: has {column!r} but earlier files had {first_column!r}")
         first_column = column
-        rel = _rel(path, root)
+        rel = relative_name(path, root)
         values = pq.read_table(path, columns=[column], filesystem=fs).column(column)
         values = values.to_numpy(zero_copy_only=False) if column == "tokens" else values.to_pylist()
         if column != "tokens" and values and not all(isinstance(v, str) for v in values if v is not None):
@@ -150,6 +151,36 @@ def _counted(paths: list[str], progress) -> Iterator[str]:
         progress("reading", i + 1, len(paths))
 
 
+def iter_documents(kind: str, paths, root: str, text_field: str = "text", fs: _FS = None) -> Iterator[_Doc]:
+    """The documents of the files `paths` of a source of `kind` (`source_files`), in order."""
+    if kind == "parquet":
+        return _iter_parquet(paths, root, text_field, fs)
+    return _iter_jsonl(paths, root, text_field, fs) if kind == "jsonl" else _iter_text(paths, root, fs)
+
+
+def source_files(source: str) -> tuple[str, list[str], str, _FS]:
+    """The files of ``source``: ``(kind, paths, root, fs)``, where kind is ``text`` (a file is one
+    document; also ``stdlib`` and ``shakespeare``), ``jsonl`` or ``parquet``, paths are sorted, names
+    are relative to root, and fs is None (local) or the `pyarrow.fs.FileSystem` of a URI.
+
+    Raises:
+      FileNotFoundError: the source matches no files. ValueError: unknown source form.
+    """
+    kind, sep, pattern = source.partition(":")
+    fs: _FS = None
+    if source == "stdlib":
+        (paths, root), kind = _stdlib_paths(), "text"
+    elif source == "shakespeare":
+        (paths, root), kind = _shakespeare_paths(), "text"
+    elif sep and pattern and kind in ("text", "jsonl", "parquet"):
+        paths, root, fs = _glob_paths(pattern)
+    else:
+        raise ValueError(f"unknown corpus source {source!r}; expected {_SOURCE_FORMS}")
+    if not paths:
+        raise FileNotFoundError(f"corpus source {source!r} matches no files")
+    return kind, paths, root, fs
+
+
 def read_documents(source: str, max_bytes: int = 0, text_field: str = "text", progress=None) -> list[_Doc]:
     """Reads the documents of ``source`` in sorted order.
 
@@ -167,28 +198,13 @@ def read_documents(source: str, max_bytes: int = 0, text_field: str = "text", pr
       FileNotFoundError: the source matches no files. ValueError: unknown source form, or
       ``max_bytes`` is smaller than the first document.
     """
-    kind, sep, pattern = source.partition(":")
-    fs: _FS = None
-    if source == "stdlib":
-        paths, root = _stdlib_paths()
-    elif source == "shakespeare":
-        paths, root = _shakespeare_paths()
-    elif sep and pattern and kind in ("text", "jsonl", "parquet"):
-        paths, root, fs = _glob_paths(pattern)
-    else:
-        raise ValueError(f"unknown corpus source {source!r}; expected {_SOURCE_FORMS}")
-    if not paths:
-        raise FileNotFoundError(f"corpus source {source!r} matches no files")
+    kind, paths, root, fs = source_files(source)
     docs: list[_Doc] = []
     total = 0
     if progress is not None:
         progress("reading", 0, len(paths))
         paths = _counted(paths, progress)  # type: ignore[assignment]
-    if kind == "parquet":
-        docs_of = _iter_parquet(paths, root, text_field, fs)
-    else:
-        docs_of = _iter_jsonl(paths, root, text_field, fs) if kind == "jsonl" else _iter_text(paths, root, fs)
-    for name, content in docs_of:
+    for name, content in iter_documents(kind, paths, root, text_field, fs):
         if max_bytes and total + len(content) > max_bytes:
             if not docs:
                 raise ValueError(

@@ -1,10 +1,16 @@
-"""Per-learner resumable token streams (:class:`Cursor`, :class:`TokenStream`) and validation batches."""
+"""Per-learner resumable token streams (:class:`Cursor`, :class:`TokenStream` over a split in memory
+or memory-mapped, :class:`ShardStream` over the shards of a ``tokens:`` corpus) and validation batches."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
+
+from dloco.data.shards import ShardedTokens
+
+SHUFFLE_WINDOWS = 1024  # a ShardStream shuffles its windows within blocks of this many
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +51,7 @@ class TokenStream:
     A batch that exhausts an epoch continues in the next one.
 
     Args:
-      tokens: flat 1-D token array (e.g. :meth:`Corpus.load_split`).
+      tokens: flat 1-D token array (e.g. :meth:`Corpus.load_split`); for a `ShardStream`, `ShardedTokens`.
       seq_len: ``T``, targets per row. batch_size: ``B``, rows per batch.
       shard: ``s``, this learner's shard. num_shards: ``S``.
       seed: non-negative data seed shared by all shards.
@@ -57,7 +63,7 @@ class TokenStream:
 
     def __init__(
         self,
-        tokens: np.ndarray,
+        tokens: np.ndarray | ShardedTokens,
         *,
         seq_len: int,
         batch_size: int,
@@ -66,9 +72,7 @@ class TokenStream:
         seed: int,
         cursor: Cursor | None = None,
     ):
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        flat = self._as_tokens(tokens)  # the array, or a ShardStream's ShardedTokens
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("num_shards", num_shards)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -76,13 +80,13 @@ class TokenStream:
             raise ValueError(f"shard must be in [0, {num_shards}), got {shard}")
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
-        self._tokens, self._seq_len, self._batch_size = tokens, seq_len, batch_size
+        self._tokens, self._seq_len, self._batch_size = flat, seq_len, batch_size
         self._shard, self._num_shards, self._seed = shard, num_shards, seed
-        self._num_windows = _num_windows(tokens, seq_len)
+        self._num_windows = _num_windows(flat, seq_len)
         self.windows_per_epoch = self._num_windows // num_shards
         if self.windows_per_epoch == 0:
             raise ValueError(
-                f"{len(tokens)} tokens give {self._num_windows} windows of seq_len+1="
+                f"{len(flat)} tokens give {self._num_windows} windows of seq_len+1="
                 f"{seq_len + 1}, fewer than num_shards={num_shards}; use more data or a "
                 "smaller seq_len"
             )
@@ -91,6 +95,20 @@ class TokenStream:
             raise ValueError(f"cursor {cursor} is outside [0, {self.windows_per_epoch}) windows")
         self._cursor = cursor
         self._cached_epoch, self._cached_windows = -1, np.zeros(0, np.int64)
+
+    @staticmethod
+    def _as_tokens(tokens: np.ndarray | ShardedTokens) -> Any:
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        return tokens
+
+    def _windows(self, epoch: int, lo: int, hi: int) -> np.ndarray:
+        """Window ids ``lo … hi−1`` of this shard's sequence in ``epoch``."""
+        return self.epoch_windows(epoch)[lo:hi]
+
+    def _rows(self, windows: np.ndarray) -> np.ndarray:
+        return _gather(self._tokens, windows, self._seq_len)
 
     @property
     def cursor(self) -> Cursor:
@@ -117,12 +135,72 @@ class TokenStream:
         need = self._batch_size
         while need:
             take = min(need, self.windows_per_epoch - index)
-            windows.append(self.epoch_windows(epoch)[index : index + take])
+            windows.append(self._windows(epoch, index, index + take))
             need, index = need - take, index + take
             if index == self.windows_per_epoch:
                 epoch, index = epoch + 1, 0
         self._cursor = Cursor(epoch, index)
-        return _gather(self._tokens, np.concatenate(windows), self._seq_len)
+        return self._rows(np.concatenate(windows))
+
+
+class ShardStream(TokenStream):
+    """Stream ``s`` of ``S`` over a ``tokens:`` corpus's training split (`ShardedTokens`), reading a
+    few shards at a time; `TokenStream`'s windows, cursor and batches, another order.
+
+    The windows are `TokenStream`'s: window ``w`` is tokens ``[w·T, w·T + T + 1)`` of the split, ``W =
+    ⌊(N−1)/T⌋`` of them, and ``K = ⌊W/S⌋`` per stream and epoch (`windows_per_epoch`). Each epoch
+    ``e`` cuts the windows into S ranges of K consecutive windows, from an offset that moves:
+    ``g = np.random.default_rng([seed, e])``, ``o_e = g.integers(W)``, ``σ_e = g.permutation(S)``;
+    stream s reads range ``r = σ_e[s]``, windows ``(o_e + r·K + i) mod W`` for ``i = 0 … K−1``,
+    shuffled within each block of `SHUFFLE_WINDOWS` consecutive ``i`` by
+    ``np.random.default_rng([seed, e, r, block])``. Within an epoch the S streams are disjoint (the
+    ``W mod S`` windows the ranges leave out move with ``o_e``); a stream holds one block of windows,
+    ``SHUFFLE_WINDOWS·T`` tokens, and the shards they lie in.
+
+    The cursor ``(epoch, index)`` is `TokenStream`'s, and says where the stream is in the shards:
+    window ``(o_e + σ_e[s]·K + i) mod W`` for the ``index``-th window read, i.e. `ShardedTokens.locate`
+    of its first token gives (shard, offset). The partition is over ``data.shards`` streams, not over
+    the learners present: a learner added mid-run (learner m < ``data.shards``) reads stream m from its
+    own cursor (none: epoch 0, index 0), and nothing is re-partitioned; another ``data.shards`` is another
+    run's data (`dloco.preflight` refuses it on ``--resume``).
+    """
+
+    @staticmethod
+    def _as_tokens(tokens: np.ndarray | ShardedTokens) -> Any:
+        if not isinstance(tokens, ShardedTokens):
+            raise ValueError(f"a ShardStream reads ShardedTokens, got {type(tokens).__name__}")
+        return tokens
+
+    def _epoch(self, epoch: int) -> tuple[int, int]:
+        """(o_e, σ_e[s]) of `epoch`."""
+        g = np.random.default_rng([self._seed, epoch])
+        offset = int(g.integers(self._num_windows))
+        return offset, int(g.permutation(self._num_shards)[self._shard])
+
+    def _windows(self, epoch: int, lo: int, hi: int) -> np.ndarray:
+        offset, r = self._epoch(epoch)
+        K, C = self.windows_per_epoch, SHUFFLE_WINDOWS
+        out = []
+        for block in range(lo // C, (hi - 1) // C + 1 if hi > lo else lo // C):
+            start = block * C
+            perm = np.random.default_rng([self._seed, epoch, r, block]).permutation(min(C, K - start))
+            i = start + perm[max(lo - start, 0) : min(hi - start, C)]
+            out.append((offset + r * K + i) % self._num_windows)
+        return np.concatenate(out).astype(np.int64) if out else np.zeros(0, np.int64)
+
+    def epoch_windows(self, epoch: int) -> np.ndarray:
+        """Window ids this stream reads in ``epoch``, in order."""
+        return self._windows(epoch, 0, self.windows_per_epoch)
+
+    def where(self) -> dict[str, int | str]:
+        """The cursor in the shards: the epoch, and the shard and offset of the next window's first token."""
+        w = int(self._windows(self._cursor.epoch, self._cursor.index, self._cursor.index + 1)[0])
+        shard, offset = self._tokens.locate(w * self._seq_len)
+        return {"epoch": self._cursor.epoch, "shard": shard, "offset": offset}
+
+    def _rows(self, windows: np.ndarray) -> np.ndarray:
+        T = self._seq_len
+        return np.stack([self._tokens.read(int(w) * T, int(w) * T + T + 1) for w in windows]).astype(np.int32)
 
 
 def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, max_batches: int) -> list[np.ndarray]:
