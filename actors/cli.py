@@ -130,12 +130,11 @@ def train(args: argparse.Namespace) -> int:
         return 2
     print(f"dloco: run dir {handle.run_dir} ({'continuing its run' if handle.resumed else 'new run'})", file=sys.stderr)
     try:
-        summary = handle.wait()
+        handle.wait()
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted: stopping the run and writing its summary\n")
-        summary = None
     finally:
-        summary = handle.stop() or summary
+        summary = handle.stop()
     if not args.quiet:
         sys.stderr.write("\n")
     from dloco.metrics import table
@@ -172,6 +171,7 @@ def status_cmd(args: argparse.Namespace) -> int:
     print(f"merges     {s['merges']} (rejected contributions: {s['rejected']})")
     print(f"learners   {len(s.get('learners') or {})} reporting")
     print(f"errors     {errors}" + (f"; last: {s.get('last_error')}" if errors else ""))
+    print(saved)
     return 0
 
 

@@ -5,7 +5,8 @@ does not answer), or starts a local one that listens on 127.0.0.1 only; `start` 
 (`dloco.preflight`: before Ray starts and before anything is written), claims the run directory
 (`claim_run_dir`: creates it 0700 and locks it, so that a second start on it neither writes into it
 nor deletes from it), then writes its ``config.json`` and ``fingerprint.json`` and hands over to
-`actors.supervisor.RunHandle`, which spawns the store, syncer and learner actors and supervises them.
+`actors.supervisor.RunHandle`, which spawns the store, syncer and learner actors and supervises them;
+its ``wait()`` returns the run's `dloco.result.Result` once it ends.
 Ray's token file, which lets whoever reads it run code in the cluster, is kept private to this user
 (`protect_auth_token`).
 """

@@ -34,6 +34,7 @@ from actors.observe import Observer
 from actors.workers import CONTROL_PLANE_ENV, worker_env
 from dloco import build, chaos, durable, events
 from dloco.config import RunConfig
+from dloco.result import Result
 from dloco.services.shards import names
 from dloco.tally import Tally, summarize
 from dloco.tensorboard import TensorBoardSink
@@ -391,10 +392,14 @@ class RunHandle:
         self._done.set()
 
     # ---- ending ------------------------------------------------------------------------------
-    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
-        """Blocks until the run ends at its budget (or `timeout`); returns the summary."""
-        self._done.wait(timeout)
-        return self.summary
+    def wait(self, timeout: float | None = None) -> Result | None:
+        """Blocks until the run ends (at its budget, by `dloco stop` or an error) or `timeout` passes;
+        returns its `dloco.result.Result` (the summary as ``metrics``, the run dir as ``path``, its
+        newest checkpoint as ``checkpoint``, the failure as ``error``), or None if it is still running.
+        The same as ``Result.from_path(run_dir)`` reads back; the summary itself stays in ``summary``."""
+        if not self._done.wait(timeout) or self.summary is None:
+            return None
+        return Result.ended(self.run_dir, self.summary)
 
     def stop(self) -> dict[str, Any] | None:
         """Ends the run now: final evaluation, summary.json, actors removed, local Ray stopped."""

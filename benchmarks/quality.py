@@ -29,7 +29,16 @@ Learner speeds: learner m's step takes 1 + 0.2·m/(M−1) virtual seconds (a mil
 fleet), a commit reaches the learners 0.5 s after it closes; the quorum rows instead slow half
 the learners by 20 % and add per-step jitter U(1, 1.3).
 
-Usage:  python benchmarks/quality.py [--workers 2] [--only PHASE[/LABEL-PREFIX],...] [--seeds 0,...]
+**Ray Tune.** Each phase is one Tune experiment: `param_space` is the phase's rows as one grid
+(``tune.grid_search`` over the row dicts), the trainable (`trial`) runs one row in its own worker
+process and reports what it measured (``tune.report``: the eval loss, tokens, bytes, ...), and a
+trial takes `--cpus-per-trial` CPUs, so the same sweep spreads over a cluster's nodes with
+`--address`. Without it a local Ray cluster of `--workers` × `--cpus-per-trial` CPUs is started
+(127.0.0.1 only, no dashboard: `actors.launch.connect`). The rows are deterministic, so a row
+reads the same number through Tune as run on its own (`run_row`; tests/test_benchmarks_run.py).
+
+Usage:  python benchmarks/quality.py [--workers 2] [--cpus-per-trial 1] [--address ADDR] [--storage PATH]
+                                    [--only PHASE[/LABEL-PREFIX],...] [--seeds 0,...]
                                     [--missing] [--tiny] [--out benchmarks/results/quality.json]
 Writes  the JSON (every row with its overrides and config hash; a rerun replaces the rows it ran
         and keeps the others) and a PNG beside it. `benchmarks/report.py` turns it into docs/RESULTS.md.
@@ -41,13 +50,13 @@ import argparse
 import hashlib
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -424,6 +433,72 @@ def run_row(args: tuple[dict, bool]) -> dict:
     }
 
 
+# what `run_row` measures, beside the row itself: what a trial reports
+MEASURED = (
+    "steps",
+    "params",
+    "tokens",
+    "tokens_per_param",
+    "periods",
+    "commits_per_fragment",
+    "config_hash",
+    "eval_loss",
+    "rejections",
+    "bytes_up",
+    "bytes_down_per_learner",
+    "virtual_s",
+    "wall_s",
+)
+
+
+def trial(params: dict) -> None:
+    """One row as a Tune trial (`params`: ``{"row": ..., "tiny": ..., "jax_platforms": ...}``, a point
+    of the phase's grid): runs it and reports what it measured (`MEASURED`: the row itself is the
+    trial's config)."""
+    from ray import tune
+
+    # the driver's platform (cpu unless JAX_PLATFORMS said otherwise): a cluster's worker has not its environment
+    os.environ["JAX_PLATFORMS"] = params["jax_platforms"]
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    res = run_row((params["row"], params["tiny"]))
+    tune.report({k: res[k] for k in MEASURED})
+
+
+def run_trials(
+    rows: list[dict], tiny: bool, cpus_per_trial: float, workers: int, storage: str, done: Callable[[dict], None]
+) -> None:
+    """Runs `rows` as the trials of one Tune experiment, at most `workers` at once (0: as many as
+    the cluster's CPUs allow), `cpus_per_trial` CPUs each; calls `done` with each finished row (the
+    row and what its trial reported) as it comes. Raises if a trial failed, once the others ended."""
+    from ray import cloudpickle, tune
+
+    if __name__ != "__main__":  # imported (a test, a notebook): the trainable travels by value, as a script's does
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    failed: list[str] = []
+
+    class Rows(tune.Callback):
+        def on_trial_result(self, iteration, trials, trial, result, **info):  # each trial reports once
+            done({**trial.config["row"], **{k: result[k] for k in MEASURED}})
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            failed.append(trial.config["row"]["label"])
+
+    tuner = tune.Tuner(
+        tune.with_resources(trial, {"cpu": cpus_per_trial}),
+        param_space={"row": tune.grid_search(rows), "tiny": tiny, "jax_platforms": os.environ["JAX_PLATFORMS"]},
+        tune_config=tune.TuneConfig(
+            max_concurrent_trials=workers or None,
+            reuse_actors=True,  # a row's process runs the next row, as a pool's worker did: JAX, numba, the corpus warm
+            trial_name_creator=lambda t: t.trial_id,  # not the row's config: labels hold commas and Greek
+            trial_dirname_creator=lambda t: t.trial_id,
+        ),
+        run_config=tune.RunConfig(name="quality", storage_path=storage, callbacks=[Rows()], verbose=0),
+    )
+    grid = tuner.fit()
+    if grid.errors:
+        raise RuntimeError(f"{len(grid.errors)} row(s) failed ({'; '.join(failed)}): {grid.errors[0]}")
+
+
 def summarize(results: list[dict]) -> list[dict]:
     """One entry per setting (rows pooled across groups and seeds): mean, spread (max − min)."""
     out: dict[tuple, dict] = {}
@@ -496,7 +571,10 @@ def write(out: Path, old: dict | None, kept: list[dict], ran: list[dict], tiny: 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workers", type=int, default=2, help="rows run in parallel processes")
+    ap.add_argument("--workers", type=int, default=2, help="rows at once (0: as many as the cluster's CPUs allow)")
+    ap.add_argument("--cpus-per-trial", type=float, default=1.0, help="CPUs a row's Tune trial takes")
+    ap.add_argument("--address", help="a Ray cluster to run the rows on (default: a local one, 127.0.0.1 only)")
+    ap.add_argument("--storage", help="Tune's storage_path, its experiment state (default: a temporary directory)")
     ap.add_argument("--only", default="", help="comma-separated phases, or phase/label-prefix, to run (default: all)")
     ap.add_argument("--seeds", default="", help="comma-separated seeds to run (default: every row's)")
     ap.add_argument("--tiny", action="store_true", help="the micro preset, 16 steps, few rows (for tests)")
@@ -522,33 +600,46 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     command = "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
     ran: list[dict] = []
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(max(1, a.workers)) as pool:
-        for phase in ("sweep", "dependent", "ladder"):
-            known = {key(r): r for r in kept} | {key(r): r for r in ran}
-            pooled = {(setting(r), r["seed"]) for r in known.values()}  # a row of that setting and seed ran
-            if phase == "sweep":
-                cands = sweep_rows(a.tiny)
-            elif phase == "dependent":
-                cands = dependent_rows(list(known.values()), a.tiny)
-            else:
-                cands = ladder_rows(a.tiny)
-            todo = [
-                r
-                for r in cands
-                if chosen(r) and not (a.missing and (key(r) in known or (setting(r), r["seed"]) in pooled))
-            ]
-            if phase == "dependent" and not cands and sel != ["sweep"]:
-                print("the rows after the sweep need every sweep family: run --only sweep first", flush=True)
-            longest_first = sorted(todo, key=lambda r: -r["M"] * (4 if r["algorithm"] == "dp" else 1))
-            for res in pool.imap_unordered(run_row, [(r, a.tiny) for r in longest_first]):
-                ran.append(res)
-                write(out, old, kept, ran, a.tiny, command, t0)
-                print(
-                    f"{res['group']:12s} {res['label']:40s} {res['corpus']:11s} M={res['M']:<3d} seed={res['seed']} "
-                    f"loss {res['eval_loss']:.4f}  ({res['wall_s']:.0f} s)",
-                    flush=True,
-                )
+
+    def done(res: dict) -> None:
+        ran.append(res)
+        write(out, old, kept, ran, a.tiny, command, t0)
+        print(
+            f"{res['group']:12s} {res['label']:40s} {res['corpus']:11s} M={res['M']:<3d} seed={res['seed']} "
+            f"loss {res['eval_loss']:.4f}  ({res['wall_s']:.0f} s)",
+            flush=True,
+        )
+
+    from actors.launch import connect
+
+    workers = max(0, a.workers)
+    owns = connect(a.address, num_cpus=math.ceil(max(1, workers) * a.cpus_per_trial))
+    try:
+        with tempfile.TemporaryDirectory(prefix="dloco-quality-tune-") as scratch:
+            for phase in ("sweep", "dependent", "ladder"):
+                known = {key(r): r for r in kept} | {key(r): r for r in ran}
+                pooled = {(setting(r), r["seed"]) for r in known.values()}  # a row of that setting and seed ran
+                if phase == "sweep":
+                    cands = sweep_rows(a.tiny)
+                elif phase == "dependent":
+                    cands = dependent_rows(list(known.values()), a.tiny)
+                else:
+                    cands = ladder_rows(a.tiny)
+                todo = [
+                    r
+                    for r in cands
+                    if chosen(r) and not (a.missing and (key(r) in known or (setting(r), r["seed"]) in pooled))
+                ]
+                if phase == "dependent" and not cands and sel != ["sweep"]:
+                    print("the rows after the sweep need every sweep family: run --only sweep first", flush=True)
+                longest_first = sorted(todo, key=lambda r: -r["M"] * (4 if r["algorithm"] == "dp" else 1))
+                if longest_first:
+                    run_trials(longest_first, a.tiny, a.cpus_per_trial, workers, a.storage or scratch, done)
+    finally:
+        if owns:
+            import ray
+
+            ray.shutdown()
     doc = write(out, old, kept, ran, a.tiny, command, t0)
     results = doc["results"]
     plot(results, out.with_suffix(".png"))

@@ -246,8 +246,8 @@ def run_one(algorithm: str, seconds: float, seed: int, cpu_limit: float, run_dir
     h = start(cfg, run_dir=run_dir)
     quick = seconds < 900
     sampler = MemorySampler(h, every=5.0 if quick else 10.0)
-    summary = h.wait(timeout=seconds + 600)
-    ended_by_itself = summary is not None and h.status()["done"]
+    result = h.wait(timeout=seconds + 600)
+    ended_by_itself = result is not None and h.status()["done"]
     try:
         store = ray.get(h.store.summary.remote(), timeout=120)
         _, frs = ray.get(h.store.fragments.remote(), timeout=120)
@@ -260,7 +260,7 @@ def run_one(algorithm: str, seconds: float, seed: int, cpu_limit: float, run_dir
         trained[m] = trained.get(m, 0) + tokens
     h.stop()
     wall = time.time() - t0
-    summary = summary or {}
+    summary = result.metrics if result is not None else {}
     events = h.metrics()
     faults = [e for e in events if e["event"] == "fault" and not e.get("skipped")]
     count = {

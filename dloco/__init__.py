@@ -19,6 +19,8 @@ Public surface, one module (or package) per concept (ALGORITHM.md section in bra
   the discrete-event goodput simulator of a fleet at scale [§8, §10]
 - `dloco.tensorboard.TensorBoardSink`: run events as TensorBoard scalars; `dloco.plot`: the figures
   of ``dloco plot`` (both read or write only a run directory)
+- `dloco.result.Result`: a run's final metrics, directory, newest checkpoint and error, read back from
+  its run directory (`Result.from_path`; what ``RunHandle.wait()`` returns)
 """
 
 __version__ = "0.1.0"

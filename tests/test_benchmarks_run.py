@@ -165,6 +165,53 @@ def test_quality_tiny_sweeps_then_runs_the_winners_at_equal_tokens(tmp_path):
     assert (md.parent / "figures" / "quality.png").stat().st_size > 1000
 
 
+# The quality sweep's rows before Ray Tune ran them: a pool of spawned processes, each row by
+# `quality.run_row` (what benchmarks/quality.py did until its rows became Tune trials); one
+# process here, as one Tune trial runs both rows below (the second row skips the first's start-up)
+POOL = """
+import json, multiprocessing as mp, sys
+sys.path.insert(0, "benchmarks")
+import quality
+rows = json.loads(sys.stdin.read())
+with mp.get_context("spawn").Pool(1) as pool:
+    print(json.dumps(pool.map(quality.run_row, [(r, True) for r in rows])))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_quality_rows_through_ray_tune_read_what_the_process_pool_read(tmp_path):
+    """Two tiny sweep rows (the decoupled ones: syncer, int4 pushes, outer steps) as Tune trials on
+    a local Ray cluster (one CPU: one trial process, reused for the second row) give the same JSON
+    rows, bit for bit but the wall time, as the same rows run by the process pool that ran them
+    before: the rows are deterministic whoever runs them."""
+    out = tmp_path / "quality.json"
+    run_script("quality.py", "--tiny", "--only", "sweep/decoupled", "--workers", "1", "--out", str(out))
+    via_tune = json.loads(out.read_text())["results"]
+    assert [r["label"] for r in via_tune] == ["decoupled/plain, η 1 μ 0", "decoupled/delayed, η 0.5 μ 0.5"]
+    given = ("group", "label", "corpus", "M", "algorithm", "overrides", "seed", "family", "grid")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # as in run_script: the conftest's two virtual devices are not the pool's
+    pool = subprocess.run(
+        [sys.executable, "-c", POOL],
+        input=json.dumps([{k: r[k] for k in given} for r in via_tune]),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    by_pool = json.loads(pool.stdout.splitlines()[-1])
+    assert [list(r) for r in by_pool] == [list(r) for r in via_tune]  # the same keys, in the same order
+
+    def same(r):
+        return {k: v for k, v in r.items() if k != "wall_s"}
+
+    assert [same(r) for r in via_tune] == [same(r) for r in by_pool]
+    losses = [r["eval_loss"] for r in via_tune]
+    assert losses == [r["eval_loss"] for r in by_pool] and 3.0 < min(losses) < max(losses) < 5.6
+
+
 def test_syncer_scale_quick_writes_a_row_per_cell_and_its_section(tmp_path):
     out = tmp_path / "syncer_scale.json"
     run_script("syncer_scale.py", "--quick", "--repeat", "1", "--out", str(out))

@@ -89,9 +89,10 @@ def test_seeded_schedule_is_carried_out_logged_and_k1_keeps_advancing(ray_cluste
     schedule = chaos.schedule(cfg.chaos, 3)
     assert [f.kind for f in schedule[:3]] == ["kill"] * 3
     h = start(cfg, run_dir=tmp_path)
-    summary = h.wait(timeout=200)
+    result = h.wait(timeout=200)
     h.stop()
-    assert summary is not None
+    assert result is not None
+    summary = result.metrics
     events = h.metrics()
     # the schedule's clock starts when every learner has registered once (`actors.faults`)
     firsts: dict[int, float] = {}

@@ -24,7 +24,7 @@ TIMEOUT_S = 240  # per notebook (and per cell)
 
 # Text that each notebook's outputs must contain: its final tables.
 EXPECTED_TEXT = {
-    "01_quickstart": ["algorithm=decoupled", "goodput / uptime", "eval loss", "run dir"],
+    "01_quickstart": ["algorithm=decoupled", "goodput / uptime", "eval loss", "run dir", "best outer.lr:"],
     "02_chaos": ["goodput / uptime", "provisioned s", "kill learner-", "tokens_trained", "decoupled:"],
     "03_scale": ["ours (paper)", "M=16", "largest gap"],
 }

@@ -345,8 +345,10 @@ def test_commits_failing_past_fail_after_s_end_the_run_with_that_error(ray_clust
         wait_for(lambda: len(merges(h)) >= 3)
         _break_log(tmp_path)
         broken_at = time.time()
-        summary = h.wait(timeout=180)
-        assert summary is not None and h.status()["done"], _since(h, broken_at)
+        result = h.wait(timeout=180)
+        assert result is not None and h.status()["done"], _since(h, broken_at)
+        summary = result.metrics
+        assert result.error == summary["error"] == h.summary["error"]
         assert summary["error"].startswith("commits have failed for") and "store.fail_after_s=8" in summary["error"]
         assert time.time() - broken_at < 120  # ended by the supervisor, not by the budget (600 s)
         assert summary["errors"]["syncer_error"] >= 2
@@ -417,8 +419,9 @@ def test_learners_whose_corpus_differs_from_the_drivers_refuse_to_start_and_the_
         pytest.raises(RuntimeError, match="the notebook cell failed"),
         start(cfg_for("learners.count=2", "budget.seconds=300"), run_dir=tmp_path) as h,
     ):  # `with`: however the block ends, the run is stopped and its actors removed
-        summary = h.wait(timeout=180)
-        assert summary is not None and summary["error"].startswith("every learner failed: ")
+        result = h.wait(timeout=180)
+        assert result is not None and result.error is not None and result.error.startswith("every learner failed: ")
+        summary = result.metrics
         assert (
             "its corpus differs from the driver's" in summary["error"]
             and "000000000000, byte on the driver" in summary["error"]
@@ -495,5 +498,5 @@ def test_sigterm_drains_a_learner_it_pushes_its_progress_leaves_and_resumes_wher
 
         assert main(["status", str(tmp_path)]) == 0 and "state      running" in capsys.readouterr().out
         assert main(["stop", str(tmp_path), "--wait", "120"]) == 0
-        summary = h.wait(timeout=10)
-        assert summary is not None and summary["error"] is None and summary["eval_loss_end"] is not None
+        result = h.wait(timeout=10)
+        assert result is not None and result.error is None and result.metrics["eval_loss_end"] is not None
