@@ -9,15 +9,24 @@ All rates are measured in one run, side by side, on the same arrays (this machin
   int4 dec  compress.decode(payload)                         GB/s of fp32 output
   packed    the syncer's path on M int4 payloads, side by side: Σ c_m decode(p_m) and Σ_m ‖p_m‖² by
             numpy passes over cache-sized chunks against the compiled kernels (`dloco.kernels`)
+  fused     the syncer's commit on M int4 payloads (norms from the screen, `compress.sq_norm`), for
+            plain averaging (η 1, μ 0) and Delayed Nesterov (η 0.7, μ 0.9, N = M: every commit moves
+            the momentum), rules mean and RDA: today's path (`merge.merge_fragment`, then the jitted
+            step of `outer.make_outer_step`) against the fused pass (`outer.make_merge_step`), timed in
+            turns; and RDA with Δ materialized (`merge_fragment`, then numpy's Θ − Δ: the cheapest
+            update on a stored Δ), the floor for fused RDA (its sum is stored for the norm too)
+  syncer    `benchmarks/syncer_scale.py`'s syncer cell in a process of its own (random int4 codes,
+            RDA, Delayed Nesterov): screen + merge + outer, today's path and fused, against its memcpy
 
-Usage:  python benchmarks/merge_throughput.py [--params 100e6] [--learners 4] [--repeat 3]
-Writes  benchmarks/results/merge_throughput.json
+Usage:  python benchmarks/merge_throughput.py [--params 100e6] [--learners 4] [--repeat 3] [--no-syncer-cell]
+Writes  benchmarks/results/merge_throughput.json (`report` renders its docs/RESULTS.md section)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import time
@@ -48,6 +57,107 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
+FUSED_CONFIGS = {"plain averaging": {}, "Delayed Nesterov": {"lr": 0.7, "momentum": 0.9}}
+
+
+def fused_rows(theta: dict, packed: list[dict], weights: np.ndarray, m: int, repeat: int) -> list[tuple[str, float]]:
+    """(operation, best seconds) of the syncer's commit on M packed pushes: today's path and the fused
+    pass for each outer optimizer and merge rule, timed in turns (the machine's noise falls on both),
+    and RDA with Δ materialized and applied by numpy (plain averaging: Θ − Δ)."""
+    norms = [{k: math.sqrt(compress.sq_norm(q)) for k, q in pm.items()} for pm in packed]  # the screen's
+    out = [
+        (
+            f"screen: ‖δ_m‖ from the codes (M={m})",
+            best(lambda: [compress.sq_norm(q) for pm in packed for q in pm.values()], repeat),
+        )
+    ]
+    for label, kw in FUSED_CONFIGS.items():
+        ocfg = config.OuterConfig(**kw, delay=m if kw else 0)  # N = M: with n = M every commit fires
+        step = outer.make_outer_step(ocfg)
+        fused = outer.make_merge_step(ocfg, step)
+        for rule in ("mean", "rda"):
+            held = {"today": (theta, outer.init(ocfg, theta)), "fused": (theta, outer.init(ocfg, theta))}
+
+            def today(rule=rule, step=step, held=held):
+                d = merge.merge_fragment(packed, weights, rule, norms=norms)
+                held["today"] = step(*held["today"], d, m)
+
+            def one_pass(rule=rule, fused=fused, held=held):
+                held["fused"] = fused(*held["fused"], packed, weights, rule, norms=norms, contributions=m)
+
+            today(), one_pass()  # compiled (or loaded) once, outside the timing
+            times: dict[str, list[float]] = {"today": [], "fused": []}
+            for _ in range(repeat):
+                times["today"].append(best(today, 1))
+                times["fused"].append(best(one_pass, 1))
+            out += [
+                (f"{label}, {rule}: merge + outer step", min(times["today"])),
+                (f"{label}, {rule}: fused", min(times["fused"])),
+            ]
+    held_theta = {"theta": theta}
+
+    def materialized():  # Δ stored (with ‖Σ‖² on the way), then one numpy pass Θ − Δ
+        d = merge.merge_fragment(packed, weights, "rda", norms=norms)
+        held_theta["theta"] = {k: np.subtract(v, d[k]) for k, v in held_theta["theta"].items()}
+
+    materialized()
+    out.append(("plain averaging, rda: Δ materialized, numpy Θ − Δ", best(materialized, repeat)))
+    return out
+
+
+def report(doc: dict) -> str:
+    """The section of docs/RESULTS.md: the syncer's commit on packed pushes, today's path and fused."""
+    t = {r["operation"]: r for r in doc["results"]}
+    m = doc["learners"]
+    copy = t["numpy copy"]["seconds"]
+    screen = t[f"screen: ‖δ_m‖ from the codes (M={m})"]["seconds"]
+    lines = [
+        "## The fused merge + outer pass (`benchmarks/merge_throughput.py`)",
+        "",
+        f"`python benchmarks/merge_throughput.py --params {doc['params'] / 1e6:g}e6 --learners {m} "
+        f"--repeat {doc['repeat']}` "
+        f"on {doc['cpus']} CPU cores: one commit of {doc['params'] / 1e6:.0f} M fp32 parameters ({doc['tensors']} "
+        f"tensors) from M = {m} int4 pushes (block 128), norms from the screen; best of {doc['repeat']}, seconds, "
+        "today's path and the fused pass timed in turns in one process. *x memcpy*: parameters per second against "
+        f"a warm np.copyto of the fragment set ({copy:.3f} s). *+ screen*: with the screen's read of the codes "
+        f"for the norms ({screen:.3f} s), as the syncer commits. Delayed Nesterov: η 0.7, μ 0.9, N = M (every "
+        "commit moves the momentum).",
+        "",
+        "| outer step | rule | today: merge + outer | x memcpy | fused | x memcpy | + screen: today | + screen: fused "
+        "|",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label in FUSED_CONFIGS:
+        for rule in ("mean", "rda"):
+            a, b = t[f"{label}, {rule}: merge + outer step"]["seconds"], t[f"{label}, {rule}: fused"]["seconds"]
+            lines.append(
+                f"| {label} | {rule} | {a:.3f} | {copy / a:.2f} | {b:.3f} | {copy / b:.2f} | "
+                f"{copy / (a + screen):.2f} | {copy / (b + screen):.2f} |"
+            )
+    mat = t["plain averaging, rda: Δ materialized, numpy Θ − Δ"]["seconds"]
+    fused_rda = t["plain averaging, rda: fused"]["seconds"]
+    lines += [
+        "",
+        "RDA needs ‖Σ w̃_m unit(δ_m)‖ before it can scale, so its fused pass is two: the merge writes Σ, with ‖Σ‖² "
+        "on the way, into the array that becomes Θ', and the update scales it and applies the step in place (a "
+        "version that read the codes twice, the first time for ‖Σ‖² alone, was slower: decoding M int4 pushes "
+        "costs more than writing Σ and reading it back). Against the cheapest update of a stored Δ (today's "
+        f"merge, then numpy's Θ − Δ: {mat:.3f} s), fused RDA took {fused_rda:.3f} s (plain averaging).",
+    ]
+    cell = doc.get("syncer_cell")
+    if cell:
+        unfused = cell["screen_s"] + cell["merge_s"] + cell["outer_s"]
+        fused = cell["screen_s"] + cell["fused_s"]
+        lines += [
+            "",
+            f"`benchmarks/syncer_scale.py`'s syncer cell (random int4 codes, RDA, Delayed Nesterov, N = M = {m}, "
+            f"{cell['params'] / 1e6:.0f} M parameters, its own process): screen + merge + outer {unfused:.3f} s "
+            f"({cell['memcpy_s'] / unfused:.3f} x memcpy), fused {fused:.3f} s ({cell['memcpy_s'] / fused:.3f} x "
+            f"memcpy; memcpy {cell['memcpy_s']:.3f} s).",
+        ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=100e6, help="parameters in the fragment set")
@@ -55,6 +165,9 @@ def main() -> None:
     ap.add_argument("--learners", type=int, default=4, help="contributions merged (M)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/merge_throughput.json")
+    ap.add_argument(
+        "--no-syncer-cell", dest="syncer_cell", action="store_false", help="skip syncer_scale.py's syncer cell"
+    )
     args = ap.parse_args()
     n = int(args.params)
     rng = np.random.default_rng(0)
@@ -117,6 +230,8 @@ def main() -> None:
     t_sq_np = best(sq_norms_numpy, args.repeat)
     t_sq_k = best(lambda: [compress.sq_norm(q) for pm in packed for q in pm.values()], args.repeat)
 
+    fused = fused_rows(theta, packed, weights, args.learners, args.repeat)
+    t_copy = min(t_copy, best(lambda: [np.copyto(dst[k], v) for k, v in theta.items()], args.repeat))
     copy_bw = gb / t_copy
     rows = [
         ("numpy copy", t_copy, gb / t_copy, None),
@@ -146,6 +261,7 @@ def main() -> None:
         f"fragment set: {n / 1e6:.0f}M fp32 parameters ({gb:.2f} GB), {len(theta)} tensors; "
         f"int4 wire size {wire / 1e6:.1f} MB ({wire / (n * 4):.4f} of fp32)"
     )
+    rows += [(name, t, gb / t, None) for name, t in fused]
     print(f"{'operation':44s} {'seconds':>8s} {'GB/s params':>12s} {'x copy':>7s} {'GB/s inputs':>12s} {'x copy':>7s}")
     results = []
     for name, t, bw, in_bw in rows:
@@ -162,23 +278,31 @@ def main() -> None:
                 "inputs_ratio_to_copy": in_bw / copy_bw if in_bw else None,
             }
         )
+    doc = {
+        "params": n,
+        "learners": args.learners,
+        "repeat": args.repeat,
+        "tensors": len(theta),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "int4_wire_bytes": wire,
+        "results": results,
+    }
+    if args.syncer_cell:
+        del theta, deltas, packed, payloads, holder, dst, d, x  # the cell's process needs the memory
+        import syncer_scale
+
+        cell = syncer_scale.run_cell("syncer", n, args.learners, args.repeat)
+        doc["syncer_cell"] = cell
+        today, fused = cell["screen_s"] + cell["merge_s"] + cell["outer_s"], cell["screen_s"] + cell["fused_s"]
+        print(
+            f"syncer cell: memcpy {cell['memcpy_s']:.3f} s; screen + merge + outer {today:.3f} s, fused {fused:.3f} s"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "params": n,
-                "learners": args.learners,
-                "tensors": len(theta),
-                "machine": platform.processor() or platform.machine(),
-                "cpus": os.cpu_count(),
-                "int4_wire_bytes": wire,
-                "results": results,
-            },
-            indent=2,
-        )
-    )
+    out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out}")
+    print(report(doc))
 
 
 if __name__ == "__main__":

@@ -951,6 +951,11 @@ def main(argv: list[str] | None = None) -> int:
         lines += [syncer_scale.report(scale), ""]
     else:
         lines += ["## The commit path at scale", "", "Not run: `python benchmarks/syncer_scale.py`.", ""]
+    fused = load(res / "merge_throughput.json")
+    if fused:
+        import merge_throughput
+
+        lines += [merge_throughput.report(fused), ""]
     startup = load(res / "startup.json")
     if startup:
         import startup as startup_mod

@@ -13,6 +13,8 @@ commit rate:
             contribution's codes for one cache-sized chunk into the weighted sum, chunk by chunk
   outer     the outer Nesterov step (jitted optax, ``outer.make_outer_step``; lr 0.7, momentum 0.9,
             delayed over M: its state is the momentum and the delay buffer)
+  fused     merge + outer as one pass per tensor (``outer.make_merge_step``, the same bits): after the
+            peak RSS is read, so the RSS columns stay the unfused path's
   publish   int4 encode of Θ_p − Θ̂_p (``compression.publish: delta``)
   wal       the store's commit-log file (Θ_p, s_p, Θ̂_p: 4 × N × 4 bytes): written, checksummed, fsynced
   disk      as many random bytes written and fsynced as one plain file, in turns with wal: the disk's yardstick
@@ -200,6 +202,14 @@ def cell(role: str, n: int, m: int, repeat: int) -> dict:
         new = holder["new"]
         out["publish_s"] = best(lambda: [compress.encode(new[k] - theta[k], "int4", BLOCK) for k in theta], repeat)
     out["peak_rss"] = peak_rss()
+    if role == "syncer":  # merge + outer as one fused pass (`outer.make_merge_step`), on the same pushes
+        fused = outer.make_merge_step(ocfg, step)
+
+        def merge_outer():
+            holder["fused"] = fused(theta, state, payloads, weights, "rda", norms=holder["norms"], contributions=m)
+
+        merge_outer()  # compiled (or loaded) once, outside the timing
+        out["fused_s"] = best(merge_outer, repeat)
     copies = {k: np.empty_like(v) for k, v in theta.items()}  # last: after the peak is read
     out["memcpy_s"] = best(lambda: [np.copyto(copies[k], v) for k, v in theta.items()], repeat)
     return out
@@ -271,6 +281,23 @@ def report(doc: dict) -> str:
         "bytes, 8 / 30 = 0.27 at M = 4; with the default plain averaging (μ = 0: Θ is the whole state) it "
         "would be 8 / (8 + M/2) = 0.8.",
     ]
+    fused = [r for r in doc["rows"] if r.get("fused_merge_outer_s") is not None]
+    if fused:
+        lines += [
+            "",
+            "That pass (`outer.make_merge_step`, `dloco.kernels.combine_outer`: the same bits as merge + outer, "
+            "`tests/test_fused.py`), timed in the same syncer process: *fused* is merge + outer in it, *x memcpy* "
+            "screen + fused against memcpy (`benchmarks/merge_throughput.py` has plain averaging and the mean).",
+            "",
+            "| N | S | M | merge + outer | fused | x memcpy: screen + merge + outer | x memcpy: screen + fused |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in fused:
+            lines.append(
+                f"| {r['params'] / 1e6:.0f} M | {r['shards']} | {r['learners']} | {r['merge_s'] + r['outer_s']:.3f} | "
+                f"{r['fused_merge_outer_s']:.3f} | {r['arith_ratio_to_memcpy']:.3f} | "
+                f"{r['arith_fused_ratio_to_memcpy']:.3f} |"
+            )
     for r in doc["rows"]:
         if r.get("decoded_error"):
             where = f"{r['params'] / 1e6:.0f} M, S = {r['shards']}, M = {r['learners']}"
@@ -329,6 +356,8 @@ def main() -> None:
                 "disk_state_s": store["disk_state_s"],
                 "commit_s": commit,
                 "arith_ratio_to_memcpy": s["memcpy_s"] / arith,
+                "fused_merge_outer_s": s["fused_s"],  # merge + outer as one pass (`outer.make_merge_step`)
+                "arith_fused_ratio_to_memcpy": s["memcpy_s"] / (s["screen_s"] + s["fused_s"]),
                 "decoded_merge_outer_s": None if "error" in dec else dec["decoded_s"] + dec["outer_s"],
                 "decoded_error": dec.get("error"),
                 "commits_per_s": 1 / commit,

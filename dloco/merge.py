@@ -18,13 +18,18 @@ be a `compress.Payload` as it arrived (int4, int8, …): its norm is read from t
 to a float32 copy of the fragment. Payloads of one integer dtype (what a syncer receives) take the
 compiled kernel (`dloco.kernels.combine`): one pass over all contributions' codes per chunk, the
 same bits, with ‖Σ‖² computed on the way.
+
+`plan_fragment` states the same merge in the form the fused merge + outer pass takes
+(`dloco.kernels.combine_outer`, `outer.make_merge_step`): per tensor, each payload's codes with its
+scales times its coefficient, and RDA's radial factor with the sum Σ it scales (computed by
+`combine`, which the norm needs first), so that Δ itself is never stored.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Union
+from typing import NamedTuple, Union
 
 import numpy as np
 
@@ -77,6 +82,27 @@ def _reader(x: Delta) -> Callable[[int, int, np.ndarray, float], np.ndarray]:
     return lambda lo, hi, buf, c: np.multiply(x[lo:hi], np.float32(c), out=buf[: hi - lo])
 
 
+def _packable(flats: list[Delta]) -> bool:
+    """Whether every contribution is a payload of one integer dtype and block, its codes unpacked
+    (what a syncer merges after `compress.validate`): the input of the compiled kernels. An
+    entropy-coded payload is not: the numpy path refuses it (`compress.decode_range`)."""
+    first = flats[0]
+    if not (isinstance(first, compress.Payload) and first.scales is not None):
+        return False
+    kind = (first.dtype, first.block, "none")
+    return all(isinstance(f, compress.Payload) and (f.dtype, f.block, f.entropy) == kind for f in flats)
+
+
+def _packed(flats: list[Delta], coefs: Sequence[float] | np.ndarray) -> tuple[list, list]:
+    """Each payload's codes, and its float32 scales times its coefficient (`_packable` flats)."""
+    codes, scales = [], []
+    for f, c in zip(flats, coefs, strict=True):
+        assert isinstance(f, compress.Payload) and f.scales is not None  # `_packable`
+        codes.append(f.data)
+        scales.append(np.multiply(f.scales, np.float32(c), dtype=np.float32))
+    return codes, scales
+
+
 def _combine(flats: list[Delta], coefs: Sequence[float] | np.ndarray) -> tuple[np.ndarray, float | None]:
     """Σ_m coefs[m] · flats[m] (float32), and its squared norm where the compiled path computed it.
 
@@ -85,14 +111,11 @@ def _combine(flats: list[Delta], coefs: Sequence[float] | np.ndarray) -> tuple[n
     (`_combine_chunks`), which takes everything else (float32 arrays, fp32 and bf16 payloads, a mix).
     """
     first = flats[0]
-    if isinstance(first, compress.Payload) and first.scales is not None:
-        kind = (first.dtype, first.block)
-        same = [f for f in flats if isinstance(f, compress.Payload) and (f.dtype, f.block) == kind]
-        if len(same) == len(flats):
-            from dloco import kernels  # numba: only the processes that merge load it
+    if _packable(flats):
+        from dloco import kernels  # numba: only the processes that merge load it
 
-            scales = [np.multiply(f.scales, np.float32(c), dtype=np.float32) for f, c in zip(same, coefs, strict=True)]  # type: ignore[arg-type]  # integer dtypes carry scales
-            return kernels.combine([f.data for f in same], scales, _size(first), first.block, first.dtype)
+        assert isinstance(first, compress.Payload)  # `_packable`: all are
+        return kernels.combine(*_packed(flats, coefs), _size(first), first.block, first.dtype)
     return _combine_chunks(flats, coefs), None
 
 
@@ -141,15 +164,27 @@ def rda(
     which saves one read of every delta. `scale` rides on the final radial factor, so it costs no pass.
     """
     flats, shape = _flat(deltas)
-    w = _normalized(weights, len(flats))
-    r = np.array([_norm(f) for f in flats] if norms is None else norms, dtype=np.float64)
-    unit_coefs = np.divide(w, r, out=np.zeros_like(w), where=r > 0)
+    w, r, unit_coefs = _rda_coefs(flats, weights, norms)
     direction, sq = _combine(flats, unit_coefs)  # Σ w̃_m unit(δ_m)
     dnorm = _norm(direction) if sq is None else math.sqrt(sq)
     if dnorm < DIRECTION_EPS:
         return _combine(flats, scale * w)[0].reshape(shape)
-    direction *= np.float32(scale * float(w @ r) / dnorm)
+    direction *= _radial(w, r, dnorm, scale)
     return direction.reshape(shape)
+
+
+def _rda_coefs(
+    flats: list[Delta], weights: Sequence[float] | np.ndarray, norms: Sequence[float] | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(w̃, ‖δ‖, w̃_m / ‖δ_m‖): the normalized weights, the norms, the coefficients of Σ w̃_m unit(δ_m)."""
+    w = _normalized(weights, len(flats))
+    r = np.array([_norm(f) for f in flats] if norms is None else norms, dtype=np.float64)
+    return w, r, np.divide(w, r, out=np.zeros_like(w), where=r > 0)
+
+
+def _radial(w: np.ndarray, r: np.ndarray, dnorm: float, scale: float) -> np.float32:
+    """The factor that takes Σ w̃_m unit(δ_m) (norm `dnorm`) to RDA's Δ: scale · (Σ w̃_m ‖δ_m‖) / dnorm."""
+    return np.float32(scale * float(w @ r) / dnorm)
 
 
 def tensor_norms(delta: Mapping[str, np.ndarray]) -> dict[str, float]:
@@ -196,3 +231,61 @@ def merge_fragment(
         else:
             out[n] = rda(tensors, weights, None if norms is None else [nm[n] for nm in norms], scale)
     return out
+
+
+class TensorPlan(NamedTuple):
+    """One tensor's Δ as the fused pass computes it: ``Δ = factor · Σ_m decode(codes_m, scales_m)``
+    (the sum in float32, in the order of the contributions; no factor for the weighted mean)."""
+
+    codes: list[np.ndarray]  # each payload's packed codes
+    scales: list[np.ndarray]  # each payload's float32 block scales times its coefficient
+    shape: tuple[int, ...]
+    dtype: str
+    block: int
+    factor: np.float32 | None
+    summed: np.ndarray | None  # Σ, where RDA computed it for its norm (float32, flat); else None
+
+
+def plan_fragment(
+    deltas: Sequence[Mapping[str, Delta]],
+    weights: Sequence[float] | np.ndarray,
+    rule: str = "rda",
+    embedding: frozenset[str] | set[str] = frozenset(),
+    norms: Sequence[Mapping[str, float]] | None = None,
+    scale: float = 1.0,
+) -> dict[str, TensorPlan] | None:
+    """`merge_fragment`'s merge as `TensorPlan`s, or None unless every tensor of every contribution is
+    a payload of one integer dtype and block (the kernels' input; anything else merges unfused).
+
+    Arguments as `merge_fragment`, and the same arithmetic: the coefficients are `merge_fragment`'s,
+    and RDA's Σ w̃_m unit(δ_m) and its norm come from the same `kernels.combine`, so the plan gives
+    Δ bit for bit as `merge_fragment` does. The weighted mean costs nothing here; RDA costs its pass
+    over the codes (Σ is kept in the plan, and the fused pass writes Θ' over it).
+    """
+    if rule not in ("rda", "mean"):
+        raise ValueError(f"merge.rule={rule!r} is invalid: must be rda or mean")
+    if not deltas or any(set(d) != set(deltas[0]) for d in deltas[1:]):
+        return None  # `merge_fragment` raises the error
+    from dloco import kernels  # numba: only the processes that merge load it
+
+    tensors = {name: _flat([d[name] for d in deltas]) for name in deltas[0]}
+    if not all(_packable(flats) for flats, _ in tensors.values()):
+        return None
+    plans = {}
+    for name, (flats, shape) in tensors.items():
+        first = flats[0]
+        assert isinstance(first, compress.Payload)  # `_packable`: all are
+        factor, summed = None, None
+        if rule == "mean" or name in embedding:
+            packed = _packed(flats, scale * _normalized(weights, len(flats)))
+        else:
+            w, r, unit_coefs = _rda_coefs(flats, weights, None if norms is None else [nm[name] for nm in norms])
+            packed = _packed(flats, unit_coefs)
+            summed, sq = kernels.combine(*packed, _size(first), first.block, first.dtype)
+            dnorm = math.sqrt(sq)
+            if dnorm < DIRECTION_EPS:
+                packed, summed = _packed(flats, scale * w), None
+            else:
+                factor = _radial(w, r, dnorm, scale)
+        plans[name] = TensorPlan(*packed, shape, first.dtype, first.block, factor, summed)
+    return plans

@@ -33,6 +33,14 @@ installs Θ ← AdamW(Θ, g), exactly what lock-step data-parallel training comp
 
 Fragments and outer states are flat dicts of float32 arrays keyed by tensor name. The state
 round-trips through numpy (`state_to_numpy` / `state_from_numpy`) for snapshots.
+
+**Fused merge + outer step** (`make_merge_step`). The syncer's merge (`dloco.merge`) and the outer
+step are one pass over each tensor where the pushes are packed integer payloads and the optimizer
+is SGD, Nesterov or Delayed Nesterov (`dloco.kernels.combine_outer`): each push's codes are read
+once, Δ is never stored as an array of its own (RDA's sum, needed for its norm first, is written
+into the array that becomes Θ'), and Θ with its state is read and written once, chunk by chunk.
+Its Θ and state are the jitted step's on the merged Δ, bit for bit (`tests/test_fused.py`);
+everything else (fp32 or bf16 pushes, AdamW for dp) takes `merge_fragment` and the jitted step.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dloco import inner
+from dloco import compress, inner, merge
 from dloco.config import DP_ALGORITHMS, InnerConfig, OuterConfig, RunConfig
 
 
@@ -71,6 +79,13 @@ def delayed_nesterov(lr: float, momentum: float, delay: int) -> optax.GradientTr
 
     `update(updates, state, params=None, contributions=1)`: `contributions` is n, the number of
     merged contributions in this commit (a traced integer, so one compiled step serves all n).
+
+    The two cases are the branches of a `jax.lax.cond` on the traced c ≥ N, not a `jnp.where` per
+    value: XLA then rounds each branch the same way at every tensor size. With a `where`, whether
+    it fused μ·m into Δ + μ·m (one rounding, a multiply-add) depended on how it vectorized the loop:
+    at 32,768 values it did, at 32,769 it did not, and the same first 32,768 values of Θ, m, A and Δ
+    (standard normal) came out 1 ulp apart in 16 % of them (e.g. −1.2773542 against −1.2773541).
+    The fused pass (`make_merge_step`) computes what this computes, bit for bit: it needs one answer.
     """
 
     def init(params):
@@ -81,13 +96,25 @@ def delayed_nesterov(lr: float, momentum: float, delay: int) -> optax.GradientTr
         del params
         count = state.count + jnp.asarray(contributions, jnp.int32)
         buffer = jax.tree_util.tree_map(jnp.add, state.buffer, updates)
-        fire = count >= delay
-        m = jax.tree_util.tree_map(lambda m, a: jnp.where(fire, momentum * m + a, m), state.momentum, buffer)
-        out = jax.tree_util.tree_map(lambda d, m: -lr * (d + jnp.where(fire, momentum * m, 0.0)), updates, m)
-        buffer = jax.tree_util.tree_map(lambda a: jnp.where(fire, jnp.zeros_like(a), a), buffer)
-        return out, DelayedNesterovState(m, buffer, jnp.where(fire, 0, count))
+
+        def fire(_):  # m ← μ·m + A;  −η·(Δ + μ·m);  A ← 0;  c ← 0
+            m = jax.tree_util.tree_map(lambda m, a: momentum * m + a, state.momentum, buffer)
+            out = jax.tree_util.tree_map(lambda d, m: -lr * (d + momentum * m), updates, m)
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, buffer)
+            return out, DelayedNesterovState(m, zeros, jnp.zeros((), jnp.int32))
+
+        def hold(_):  # −η·Δ; m kept
+            return jax.tree_util.tree_map(lambda d: -lr * d, updates), DelayedNesterovState(
+                state.momentum, buffer, count
+            )
+
+        return jax.lax.cond(count >= delay, fire, hold, None)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _delayed(cfg: OuterConfig) -> bool:
+    return cfg.momentum > 0 and cfg.delay > 1
 
 
 def outer_optimizer(cfg: OuterConfig | InnerConfig) -> optax.GradientTransformation:
@@ -96,7 +123,7 @@ def outer_optimizer(cfg: OuterConfig | InnerConfig) -> optax.GradientTransformat
     clipped AdamW scaled by the inner schedule lr_t, t = version."""
     if isinstance(cfg, InnerConfig):
         return optax.chain(inner.optimizer(cfg), optax.scale_by_schedule(inner.schedule(cfg)))
-    if cfg.momentum > 0 and cfg.delay > 1:
+    if _delayed(cfg):
         return delayed_nesterov(cfg.lr, cfg.momentum, cfg.delay)
     return optax.sgd(cfg.lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov and cfg.momentum > 0)
 
@@ -129,6 +156,110 @@ def make_outer_step(cfg: OuterConfig | InnerConfig) -> Callable:
         return {k: np.asarray(v) for k, v in new.items()}, state
 
     return outer_step
+
+
+def make_merge_step(cfg: OuterConfig | InnerConfig, outer_step: Callable | None = None) -> Callable:
+    """Returns ``merge_step(fragment, state, deltas, weights, rule, embedding, norms, scale,
+    contributions) -> (fragment, state)``: the outer step on the merged pseudo-gradient,
+
+        outer_step(fragment, state, merge.merge_fragment(deltas, weights, rule, embedding, norms, scale),
+                   contributions)
+
+    in one fused pass per tensor where `merge.plan_fragment` gives a plan and the optimizer is SGD,
+    Nesterov or Delayed Nesterov on x86-64 with FMA (module docstring), the same bits; else exactly that.
+    `outer_step`: this config's `make_outer_step`, if the caller has one (one compile, not two).
+    """
+    step = outer_step or make_outer_step(cfg)
+
+    def merge_step(
+        fragment, state, deltas, weights, rule="rda", embedding=frozenset(), norms=None, scale=1.0, contributions=1
+    ):
+        plans = None
+        if isinstance(cfg, OuterConfig) and _fusable(fragment, deltas):
+            plans = merge.plan_fragment(deltas, weights, rule, embedding, norms, scale)
+        shapes = {k: np.shape(v) for k, v in fragment.items()}
+        if isinstance(cfg, OuterConfig) and plans is not None and {k: p.shape for k, p in plans.items()} == shapes:
+            return _fused_step(cfg, fragment, state, plans, contributions)
+        pseudo_grad = merge.merge_fragment(deltas, weights, rule, embedding, norms, scale)
+        return step(fragment, state, pseudo_grad, contributions)
+
+    return merge_step
+
+
+def _fusable(fragment: Mapping[str, Any], deltas: Any) -> bool:
+    """Float32 tensors, and numba's kernels where this CPU runs them (imported only for packed pushes)."""
+    if not deltas or not all(isinstance(x, compress.Payload) and x.scales is not None for x in deltas[0].values()):
+        return False
+    from dloco import kernels  # numba: only the processes that merge load it
+
+    return kernels.FUSED and all(np.asarray(v).dtype == np.float32 for v in fragment.values())
+
+
+def _fused_step(cfg: OuterConfig, fragment: Mapping[str, Any], state: Any, plans: Mapping, contributions: int):
+    """Θ' and s' of `make_outer_step`'s step on the planned Δ, tensor by tensor in one pass each
+    (`kernels.combine_outer`), in the jitted step's layout: keys sorted (as jax returns a dict), Θ'
+    read-only host arrays, the state the optimizer's own NamedTuples."""
+    from dloco import kernels
+
+    rules = kernels.OuterRule
+    nlr, mu = np.float32(-cfg.lr), np.float32(cfg.momentum)  # the constants as XLA folds them
+    count = 0
+    if _delayed(cfg):  # the same count as the jitted step's (int32; scheduling stays outside the kernel)
+        count = int(np.asarray(state.count)) + int(contributions)
+        rule = rules.DELAYED_FIRE if count >= cfg.delay else rules.DELAYED_HOLD
+    else:
+        rule = _rules(cfg)[0]
+    values: dict[str, np.ndarray] = {}
+    moms: dict[str, np.ndarray] = {}
+    bufs: dict[str, np.ndarray] = {}
+    for k in sorted(fragment):
+        plan, theta = plans[k], np.asarray(fragment[k])
+        mom = buf = None
+        if rule in (rules.MOMENTUM, rules.NESTEROV):
+            mom = np.asarray(state[0].trace[k])
+        elif rule in (rules.DELAYED_HOLD, rules.DELAYED_FIRE):
+            mom, buf = np.asarray(state.momentum[k]), np.asarray(state.buffer[k])
+        o = kernels.Outer(rule, nlr, mu, theta, mom, buf)
+        args = (plan.codes, plan.scales, theta.size, plan.block, plan.dtype, plan.factor, o, plan.summed)
+        new, m, a = kernels.combine_outer(*args)
+        values[k] = _frozen(new.reshape(theta.shape))
+        if m is not None:
+            moms[k] = _frozen(m.reshape(theta.shape))
+        if a is not None:
+            bufs[k] = _frozen(a.reshape(theta.shape))
+    if rule == rules.SGD:
+        return values, state
+    if rule in (rules.MOMENTUM, rules.NESTEROV):
+        return values, (optax.TraceState(trace=moms), *state[1:])
+    if rule == rules.DELAYED_HOLD:
+        return values, DelayedNesterovState(state.momentum, bufs, jnp.asarray(count, jnp.int32))
+    return values, DelayedNesterovState(moms, bufs, jnp.zeros((), jnp.int32))
+
+
+def _rules(cfg: OuterConfig) -> tuple:
+    """The `kernels.OuterRule`s that `cfg`'s outer step takes (both of Delayed Nesterov's)."""
+    from dloco import kernels
+
+    rules = kernels.OuterRule
+    if cfg.momentum == 0:
+        return (rules.SGD,)
+    if _delayed(cfg):
+        return (rules.DELAYED_HOLD, rules.DELAYED_FIRE)
+    return (rules.NESTEROV if cfg.nesterov else rules.MOMENTUM,)
+
+
+def warm_merge_step(cfg: OuterConfig | InnerConfig, dtype: str) -> None:
+    """Compiles (or loads) the kernels `make_merge_step` runs for `cfg` on pushes of `dtype` (an
+    integer wire dtype), so that a syncer's first merge does not wait for them; nothing for AdamW."""
+    from dloco import kernels
+
+    kernels.warm(dtype, _rules(cfg) if isinstance(cfg, OuterConfig) and kernels.FUSED else ())
+
+
+def _frozen(x: np.ndarray) -> np.ndarray:
+    """`x`, read-only, as the jitted step's host arrays are (nothing mutates a committed Θ in place)."""
+    x.flags.writeable = False
+    return x
 
 
 def state_to_numpy(state: Any) -> list[np.ndarray]:

@@ -87,20 +87,23 @@ def outer_spec(cfg: Any) -> dict[str, Any]:
 
 
 def merge_step(
-    values: Mapping[str, np.ndarray], state: Any, recipe: Recipe, outer_step: Callable
+    values: Mapping[str, np.ndarray], state: Any, recipe: Recipe, step: Callable
 ) -> tuple[dict[str, np.ndarray], Any]:
-    """(Θ_p, s_p) after the commit `recipe` describes: the merge of its contributions
-    (`merge.merge_fragment`), then `outer_step` (`outer.make_outer_step`) over the merged
-    pseudo-gradient. The syncer's merge and the store's replay both call this."""
-    pseudo_grad = merge.merge_fragment(
+    """(Θ_p, s_p) after the commit `recipe` describes: the merge of its contributions and the outer
+    step over the merged pseudo-gradient, by `step` (`outer.make_merge_step`: one fused pass per
+    tensor where it can, the same bits as `merge.merge_fragment` then the jitted outer step). The
+    syncer's merge and the store's replay both call this."""
+    return step(
+        values,
+        state,
         list(recipe.deltas),
         np.asarray(recipe.weights, np.float64),
         recipe.rule,
         frozenset(recipe.embedding),
         list(recipe.norms),
-        scale=recipe.share,
+        recipe.share,
+        len(recipe.deltas),
     )
-    return outer_step(values, state, pseudo_grad, len(recipe.deltas))
 
 
 def new_shadow(shadow: Mapping[str, np.ndarray], published: Mapping[str, compress.Payload]) -> dict[str, np.ndarray]:
@@ -119,7 +122,7 @@ def digest(values: Mapping[str, np.ndarray], leaves: Sequence[np.ndarray], shado
     return h.hexdigest()
 
 
-_STEPS: dict[str, Callable] = {}  # jitted outer steps by their config (a replay compiles each once)
+_STEPS: dict[str, Callable] = {}  # merge steps by their outer config (a replay compiles each once)
 
 
 def replay(
@@ -138,7 +141,7 @@ def replay(
     key = json.dumps(recipe.outer, sort_keys=True)
     ocfg = OuterConfig(**spec) if kind == "outer" else InnerConfig(**spec)
     if key not in _STEPS:
-        _STEPS[key] = outer.make_outer_step(ocfg)
+        _STEPS[key] = outer.make_merge_step(ocfg)
     state = outer.state_from_numpy(ocfg, values, leaves)
     new_values, new_state = merge_step(values, state, recipe, _STEPS[key])
     new_leaves = outer.state_to_numpy(new_state)

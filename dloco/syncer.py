@@ -115,6 +115,7 @@ class SyncerCore:
         self.timings = SyncerTimings(cfg.syncer.ema_decay)
         self.pace = PaceCheck(cfg.syncer.max_norm_ratio, cfg.sync.every)
         self.outer_step = outer.make_outer_step(outer.outer_config(cfg))
+        self.merge_step = outer.make_merge_step(outer.outer_config(cfg), self.outer_step)  # fused where it can
         self.outer_spec = outer_spec(outer.outer_config(cfg))  # the commits' recipes name it (`dloco.recipe`)
         self.dp, self.elastic = cfg.algorithm in DP_ALGORITHMS, cfg.algorithm == "elastic_dp"
         self.dropped: set[int] = set()  # elastic_dp: learners the current configuration runs without
@@ -340,7 +341,7 @@ class SyncerCore:
             embedding=tuple(sorted(self.embedding)),
             outer=self.outer_spec,
         )
-        values, state = merge_step(self.values[p], self.states[p], made, self.outer_step)
+        values, state = merge_step(self.values[p], self.states[p], made, self.merge_step)
         # per-step norms ‖δ‖ / c_steps (`defence.screen`), recorded when the store acknowledges
         step_norms = tuple(
             float(np.sqrt(sum(v * v for v in tn.values()))) / max(m.steps, 1)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from dloco import build, compress, events
+from dloco import build, compress, events, outer
 from dloco.config import RunConfig
 from dloco.policy import ContributionMeta, Decision, check_fields
 from dloco.services import shards
@@ -72,6 +72,7 @@ class SyncerService:
                 from dloco import kernels  # numba: only the processes that merge load it
 
                 kernels.warm(self.cfg.compression.dtype)
+                outer.warm_merge_step(outer.outer_config(self.cfg), self.cfg.compression.dtype)  # the fused pass
             c = self.core
             for p in range(c.plan.count):
                 c.outer_step(c.values[p], c.states[p], {k: np.zeros_like(v) for k, v in c.values[p].items()})
