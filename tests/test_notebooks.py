@@ -27,6 +27,7 @@ EXPECTED_TEXT = {
     "01_quickstart": ["algorithm=decoupled", "goodput / uptime", "eval loss", "run dir", "best outer.lr:"],
     "02_chaos": ["goodput / uptime", "provisioned s", "kill learner-", "tokens_trained", "decoupled:"],
     "03_scale": ["ours (paper)", "M=16", "largest gap"],
+    "04_huggingface": ["LlamaForCausalLM generated 20 tokens", "max |logits_HF - logits_dloco|"],
 }
 
 
