@@ -31,6 +31,10 @@ EXPECTED_TEXT = {
 }
 
 
+# Packages a notebook needs beyond the test extra: without them its run is skipped with the reason.
+NEEDS = {"04_huggingface": ("torch", "transformers")}
+
+
 def ids(path: Path) -> str:
     return path.stem
 
@@ -100,6 +104,8 @@ def outputs(nb) -> tuple[str, int]:
 @pytest.mark.timeout(TIMEOUT_S + 60)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
 def test_notebook_runs(path, tmp_path, record_property):
+    for module in NEEDS.get(path.stem, ()):
+        pytest.importorskip(module, reason=f"{path.name} needs the hf extra (pip install -e '.[hf]')")
     before = hashlib.sha256(path.read_bytes()).hexdigest()
     nb = with_run_root(nbformat.read(path, as_version=4), tmp_path / "runs", SUITE_PARAMETERS.get(path.stem, ""))
     env = dict(os.environ)
