@@ -367,6 +367,6 @@ def test_help_lists_every_config_section(capsys):
     out = capsys.readouterr().out
     hints = typing.get_type_hints(config.RunConfig)
     sections = [f.name for f in dataclasses.fields(config.RunConfig) if dataclasses.is_dataclass(hints[f.name])]
-    assert "config sections" in out and len(sections) == 15 and all(f"\n  {name} " in out for name in sections)
+    assert "config sections" in out and len(sections) == 16 and all(f"\n  {name} " in out for name in sections)
     assert "\n  data         Corpus, tokenizer and windows\n" in out
     assert "(top level)  preset, algorithm, seed, run_dir" in out
