@@ -272,3 +272,16 @@ def test_a_bpe_is_trained_on_a_bounded_sample_of_training_documents(corpus, tmp_
     assert tok.vocab_size == m.tokenizer["vocab_size"] == 300
     direct = sum(len(tok.encode(c.decode("utf-8"), eos=True)) for _, c in data.read_documents(corpus["source"]))
     assert m.tokens("train") + m.tokens("val") == direct
+
+
+def test_prepared_files_are_private_and_a_planted_link_is_replaced_not_followed(local_out, tmp_path):
+    out, _ = local_out
+    assert out.stat().st_mode & 0o777 == 0o700
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in out.iterdir()), sorted(p.name for p in out.iterdir())
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    loc = shards.Location(str(tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "manifest.json").symlink_to(victim)
+    loc.write("manifest.json", b"{}")
+    assert victim.read_bytes() == b"keep" and not (tmp_path / "out" / "manifest.json").is_symlink()

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from dloco import durable
+
 FORMAT = "dloco-tokens/1"
 MANIFEST = "manifest.json"
 JOURNAL = "progress.json"
@@ -194,19 +196,17 @@ class Location:
             raise
 
     def write(self, name: str, data: bytes) -> None:
-        """Writes the file whole: to a temporary name then renamed where the filesystem renames (local,
-        HDFS), else in one upload (object stores write an object atomically)."""
-        self.fs.create_dir(self.root, recursive=True)
-        if not self.local:
-            with self.fs.open_output_stream(self.path(name)) as f:
-                f.write(data)
+        """Writes the file whole. Local: `durable.replace_bytes` into a `durable.mkdir` directory (a
+        fresh 0600 temporary file that no planted link redirects, fsynced, renamed; directories
+        0700: the corpus is its user's); elsewhere in one upload (an object store writes an object
+        atomically)."""
+        if self.local:
+            durable.mkdir(self.root)
+            durable.replace_bytes(self.path(name), data)
             return
-        tmp = self.path(f".{name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
+        self.fs.create_dir(self.root, recursive=True)
+        with self.fs.open_output_stream(self.path(name)) as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path(name))
 
     def checksum_of(self, name: str) -> str | None:
         """The checksum of the file as it is now, or None if it does not exist."""
